@@ -1,0 +1,36 @@
+"""lightning_monarch: PyTorch Lightning's single-controller strategy on PyTorch Monarch.
+
+``import lightning_monarch`` registers ``Trainer(strategy="monarch")``. The user's process becomes
+the controller: it runs Lightning's loops, callbacks, loggers and checkpoints once, while one
+Monarch worker per device runs the LightningModule with DDP.
+"""
+
+from typing import Any
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_monarch import _compat
+from lightning_monarch.accelerator import WorkerGPUAccelerator
+from lightning_monarch.errors import MeshFailureError, WorkerError
+from lightning_monarch.strategy import MonarchStrategy
+
+__all__ = ["MeshFailureError", "MonarchStrategy", "WorkerError", "WorkerGPUAccelerator"]
+__version__ = "0.1.0"
+
+StrategyRegistry.register(
+    MonarchStrategy.strategy_name,
+    MonarchStrategy,
+    description="Single-controller training on a PyTorch Monarch worker mesh",
+    override=True,
+)
+
+
+def _route_gpu_to_workers(strategy: Any, accelerator: Any) -> Any:
+    """Under strategy="monarch", ``accelerator="gpu"``/``"cuda"`` names the workers' GPUs."""
+    is_monarch = strategy == MonarchStrategy.strategy_name or isinstance(strategy, MonarchStrategy)
+    if is_monarch and isinstance(accelerator, str) and accelerator in ("gpu", "cuda"):
+        return WorkerGPUAccelerator()
+    return accelerator
+
+
+_compat.route_accelerator(_route_gpu_to_workers)

@@ -1,0 +1,154 @@
+"""The one door to Lightning's private API. Every private name lightning_monarch uses is here.
+
+Tested against the Lightning range pinned in ``pyproject.toml``. When Lightning changes one of
+these, this file is the only one to change.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+from lightning.fabric.utilities.data import has_len
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import LRSchedulerTypeTuple
+
+__all__ = [
+    "LR_SCHEDULER_TYPES",
+    "Launcher",
+    "LoggerConnector",
+    "combined_loader_lengths",
+    "predict_batch_indices",
+    "record_eval_epoch_metrics",
+    "resolve_ckpt_path",
+    "route_accelerator",
+    "trainer_flags",
+]
+
+LR_SCHEDULER_TYPES = LRSchedulerTypeTuple
+Launcher = _Launcher
+LoggerConnector = _LoggerConnector
+
+#: Trainer flags that shape the loop; a worker's Trainer receives the controller's values.
+_LOOP_FLAGS = (
+    "min_steps",
+    "max_steps",
+    "limit_train_batches",
+    "limit_val_batches",
+    "limit_test_batches",
+    "limit_predict_batches",
+    "overfit_batches",
+    "fast_dev_run",
+    "val_check_interval",
+    "check_val_every_n_epoch",
+    "num_sanity_val_steps",
+    "log_every_n_steps",
+    "accumulate_grad_batches",
+    "gradient_clip_val",
+    "reload_dataloaders_every_n_epochs",
+    "barebones",
+    "default_root_dir",
+)
+
+
+def trainer_flags(trainer: Trainer) -> dict[str, Any]:
+    """The controller Trainer's loop-shaping flags, as keyword arguments for a worker's Trainer.
+
+    Runs on the controller. Lightning keeps no copy of its constructor's arguments, so they are
+    read back from where the constructor stored them.
+    """
+    flags = {name: getattr(trainer, name) for name in _LOOP_FLAGS}
+    algorithm = trainer.gradient_clip_algorithm
+    flags.update(
+        max_epochs=trainer.fit_loop.max_epochs,
+        min_epochs=trainer.fit_loop.min_epochs,
+        gradient_clip_algorithm=algorithm.value if algorithm is not None else None,
+        inference_mode=trainer.predict_loop.inference_mode,
+        use_distributed_sampler=trainer._accelerator_connector.use_distributed_sampler,
+        detect_anomaly=trainer._detect_anomaly,
+    )
+    return flags
+
+
+def resolve_ckpt_path(trainer: Trainer, fn: TrainerFn, ckpt_path: Any, model_provided: bool) -> Optional[str]:
+    """Turn ``"best"``/``"last"`` into the file the controller's callbacks know. Runs on the controller."""
+    if ckpt_path is None:
+        return None
+    path = trainer._checkpoint_connector._parse_ckpt_path(
+        fn, ckpt_path, model_provided=model_provided, model_connected=trainer.lightning_module is not None
+    )
+    return None if path is None else str(path)
+
+
+def _loops_by_stage(trainer: Trainer) -> dict[str, Any]:
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    return {
+        "train": trainer.fit_loop,
+        "val": trainer.fit_loop.epoch_loop.val_loop if fitting else trainer.validate_loop,
+        "test": trainer.test_loop,
+        "predict": trainer.predict_loop,
+    }
+
+
+def combined_loader_lengths(trainer: Trainer) -> dict[str, list[Optional[int]]]:
+    """Per stage, the lengths of the dataloaders its loop has set up, in Lightning's flat order."""
+    lengths: dict[str, list[Optional[int]]] = {}
+    for stage, loop in _loops_by_stage(trainer).items():
+        combined = loop._combined_loader
+        if combined is not None:
+            lengths[stage] = [len(loader) if has_len(loader) else None for loader in combined.flattened]
+    return lengths
+
+
+def predict_batch_indices(trainer: Trainer, batch_idx: int, dataloader_idx: int) -> list[int]:
+    """The dataset indices of the samples in predict batch ``batch_idx`` on this rank.
+
+    Lightning wraps every predict DataLoader's batch sampler to record them; a loader that is not
+    a DataLoader has none, and an empty list is returned.
+    """
+    combined = trainer.predict_loop._combined_loader
+    loader = combined.flattened[dataloader_idx] if combined is not None else None
+    seen = getattr(getattr(loader, "batch_sampler", None), "seen_batch_indices", None)
+    return list(seen[batch_idx]) if seen and batch_idx < len(seen) else []
+
+
+def record_eval_epoch_metrics(trainer: Trainer, sink: Callable[[dict[str, Any]], None]) -> None:
+    """Pass every value ``update_eval_epoch_metrics`` returns on this Trainer to ``sink`` too.
+
+    Those values are what ``trainer.validate``/``test`` return and print; the controller's loop
+    asks for them at the same point in its own loop.
+    """
+    connector = trainer._logger_connector
+    original = connector.update_eval_epoch_metrics
+
+    @functools.wraps(original)
+    def recorded() -> Any:
+        outputs = original()
+        sink(dict(outputs))
+        return outputs
+
+    connector.update_eval_epoch_metrics = recorded
+
+
+def route_accelerator(choose: Callable[[Any, Any], Any]) -> None:
+    """Let ``choose(strategy, accelerator)`` replace the ``accelerator`` flag of every new Trainer.
+
+    Runs once, at ``import lightning_monarch``. Lightning resolves ``accelerator="gpu"`` against
+    the local machine before a strategy is consulted, and the controller of a Monarch mesh need
+    not have a GPU: the workers do. ``choose`` returns the flag unchanged for other strategies.
+    """
+    original = _AcceleratorConnector.__init__
+    if getattr(original, "__lightning_monarch__", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: _AcceleratorConnector, *args: Any, **kwargs: Any) -> None:
+        kwargs["accelerator"] = choose(kwargs.get("strategy", "auto"), kwargs.get("accelerator", "auto"))
+        original(self, *args, **kwargs)
+
+    __init__.__lightning_monarch__ = True  # type: ignore[attr-defined]
+    _AcceleratorConnector.__init__ = __init__  # type: ignore[method-assign]

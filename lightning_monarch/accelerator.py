@@ -1,0 +1,61 @@
+"""The controller's stand-in for the workers' GPUs.
+
+Runs on the controller. Lightning checks that the accelerator is available on the machine that
+builds the Trainer; under strategy="monarch" that machine is the controller, which needs no GPU
+and must not initialize one. ``accelerator="gpu"`` or ``"cuda"`` with strategy="monarch" becomes
+this accelerator, and the workers use CUDA (or HIP, on a ROCm build of torch) themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+
+class WorkerGPUAccelerator(Accelerator):
+    """Runs on the controller: names the workers' GPUs without touching a GPU here."""
+
+    def setup_device(self, device: torch.device) -> None:
+        """The controller keeps its model mirror on the CPU."""
+
+    def teardown(self) -> None:
+        """Nothing was set up on the controller."""
+
+    def get_device_stats(self, device: Any) -> dict[str, Any]:
+        return {}
+
+    @staticmethod
+    def parse_devices(devices: Union[int, str, list[int]]) -> Union[int, list[int]]:
+        if isinstance(devices, str) and devices.strip().isdigit():
+            devices = int(devices)
+        if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
+            return devices
+        if isinstance(devices, (list, tuple)) and devices and all(isinstance(d, int) and d >= 0 for d in devices):
+            return list(devices)
+        raise MisconfigurationException(
+            f"`Trainer(strategy='monarch', accelerator='gpu', devices={devices!r})`: `devices` must be the number of"
+            " GPU workers per host as a positive int (e.g. `devices=8`) or a list of GPU indices (e.g. `devices=[0, 1]`)."
+        )
+
+    @staticmethod
+    def get_parallel_devices(devices: Union[int, list[int]]) -> list[torch.device]:
+        indices = range(devices) if isinstance(devices, int) else devices
+        return [torch.device("cuda", index) for index in indices]
+
+    @staticmethod
+    def auto_device_count() -> int:
+        raise MisconfigurationException(
+            "`Trainer(strategy='monarch', accelerator='gpu', devices='auto')`: the controller cannot count the"
+            " workers' GPUs. Pass the number of GPUs per host, e.g. `devices=8`."
+        )
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def name() -> str:
+        return "monarch_gpu"

@@ -1,0 +1,114 @@
+"""Checks on what the workers will receive, made before any worker starts.
+
+Runs on the controller. The stage's objects travel to the workers pickled; classes and functions
+travel by module path (except those defined in ``__main__``, which cloudpickle sends by value), so
+the workers must be able to import them. Both failures are reported here with the fix, instead of
+as an unpickling error on a remote process.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import types
+from typing import Any, Optional
+
+import cloudpickle
+
+
+class _ReferenceRecorder(cloudpickle.Pickler):
+    """A cloudpickle pickler that notes every class and function it pickles by reference."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.references: dict[str, str] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        reduced = super().reducer_override(obj)
+        if reduced is NotImplemented and isinstance(obj, (type, types.FunctionType)):
+            module = getattr(obj, "__module__", None)
+            if module and module != "__main__":
+                self.references.setdefault(module, getattr(obj, "__qualname__", repr(obj)))
+        return reduced
+
+
+def pack_for_workers(objects: dict[str, Any], script_dir: Optional[str]) -> bytes:
+    """Pickle ``objects`` (named by role, e.g. ``"LightningModule"``) for the workers, once.
+
+    Raises ``TypeError`` naming the object that cannot be pickled, or ``ImportError`` naming the
+    class the workers could not import.
+    """
+    buffer = io.BytesIO()
+    pickler = _ReferenceRecorder(buffer)
+    try:
+        pickler.dump(tuple(objects.values()))
+    except Exception:
+        for role, obj in objects.items():
+            _raise_if_unpicklable(role, obj)
+        raise
+    _check_importable(pickler.references, script_dir)
+    return buffer.getvalue()
+
+
+def _raise_if_unpicklable(role: str, obj: Any) -> None:
+    try:
+        cloudpickle.dumps(obj)
+    except Exception as error:
+        raise TypeError(
+            f"The {role} `{type(obj).__name__}` cannot be pickled, and under strategy='monarch' it travels to"
+            f" the worker processes pickled: {type(error).__name__}: {error}. Keep objects that cannot be"
+            " pickled (open files, locks, generators, process pools, lambdas in closures) out of its"
+            " attributes, or create them in `setup()` or `configure_model()`, which run on the workers."
+        ) from error
+
+
+def _check_importable(references: dict[str, str], script_dir: Optional[str]) -> None:
+    worker_path = _worker_sys_path() | ({os.path.realpath(script_dir)} if script_dir else set())
+    for module, qualname in references.items():
+        root = _import_root(module)
+        if root is None or root in worker_path:
+            continue
+        raise ImportError(
+            f"`{qualname}` from module `{module}` cannot be imported by the Monarch workers under"
+            f" strategy='monarch': it is loaded from {root}, which is on this process's `sys.path` but not on the"
+            " workers' (they see the working directory, the script's folder, PYTHONPATH and site-packages)."
+            f" Add the folder with `PYTHONPATH={root}`, install the package with `pip install -e .`, or move"
+            " the class into a module the workers can import."
+        )
+
+
+def _import_root(module: str) -> Optional[str]:
+    """The ``sys.path`` entry ``module`` is imported from; ``None`` for built-in modules."""
+    top = module.split(".", 1)[0]
+    loaded = sys.modules.get(top)
+    spec = getattr(loaded, "__spec__", None) or importlib.util.find_spec(top)
+    if spec is None:
+        return f"<no file: module `{top}` exists only in this process>"
+    if spec.origin in (None, "built-in", "frozen") and not spec.submodule_search_locations:
+        return None
+    location = next(iter(spec.submodule_search_locations or [])) if spec.submodule_search_locations else spec.origin
+    return os.path.realpath(os.path.dirname(location))
+
+
+@functools.lru_cache(maxsize=None)
+def _worker_sys_path_for(cwd: str, pythonpath: str) -> frozenset[str]:
+    output = subprocess.run(
+        [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path))"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return frozenset(os.path.realpath(entry or cwd) for entry in json.loads(output))
+
+
+def _worker_sys_path() -> frozenset[str]:
+    """The ``sys.path`` a worker process starts with: Monarch starts it as ``python -m`` in this
+    process's working directory and environment."""
+    return _worker_sys_path_for(os.getcwd(), os.environ.get("PYTHONPATH", ""))

@@ -1,0 +1,130 @@
+"""The worker mesh as the controller sees it: spawn, message, stop.
+
+Runs on the controller. Wraps a Monarch ``ProcMesh`` with one :class:`MonarchWorker` actor per
+device and turns worker failures into :class:`~lightning_monarch.errors.WorkerError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Iterable, Optional, Union
+
+import monarch.actor
+from monarch.actor import ProcMesh, this_host
+from monarch.spmd import setup_torch_elastic_env
+
+from lightning_monarch.errors import MeshFailureError, WorkerError
+from lightning_monarch.protocol import (
+    Advance,
+    CheckpointState,
+    Finish,
+    Peek,
+    StageSpec,
+    WorkerFailure,
+    WorkerReply,
+)
+from lightning_monarch.worker.actor import MonarchWorker
+
+log = logging.getLogger(__name__)
+
+#: How long stopping a mesh may take before the controller gives up waiting on it.
+_STOP_TIMEOUT_S = 30.0
+
+
+class _FaultLog:
+    """Replaces Monarch's ``unhandled_fault_hook``, whose default exits the controller.
+
+    Monarch calls the hook from its own thread when a worker process dies or an actor fails
+    outside a call. The failure is kept here and raised by the next call on the mesh.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._failures: list[str] = []
+
+    def __call__(self, failure: Any) -> None:
+        log.error("Monarch reported a mesh failure: %s", failure)
+        with self._lock:
+            self._failures.append(str(failure))
+
+    def raise_if_failed(self) -> None:
+        with self._lock:
+            if self._failures:
+                raise MeshFailureError(f"The worker mesh failed: {self._failures[0]}")
+
+
+_FAULTS = _FaultLog()
+monarch.actor.unhandled_fault_hook = _FAULTS
+
+
+class WorkerMesh:
+    """Runs on the controller: one process per device on this host, each with a ``MonarchWorker``."""
+
+    def __init__(self, procs: ProcMesh, num_workers: int) -> None:
+        self._procs: Optional[ProcMesh] = procs
+        self._workers = procs.spawn("lightning_monarch_worker", MonarchWorker)
+        self._rank0 = self._workers.slice(gpus=0)
+        self.num_workers = num_workers
+
+    @classmethod
+    def spawn(cls, num_workers: int) -> "WorkerMesh":
+        """Start ``num_workers`` worker processes and their torch elastic environment."""
+        procs = this_host().spawn_procs(per_host={"gpus": num_workers})
+        try:
+            setup_torch_elastic_env(procs)
+            return cls(procs, num_workers)
+        except BaseException:
+            procs.stop().get(timeout=_STOP_TIMEOUT_S)
+            raise
+
+    def start_stage(self, spec: StageSpec) -> None:
+        """Build every rank's Trainer for the stage ``spec`` describes."""
+        for failure in self._gather(self._workers.start_stage.stream(spec)):
+            if failure is not None:
+                raise WorkerError(failure)
+
+    def advance(self, command: Union[Advance, Peek, Finish]) -> Optional[list[WorkerReply]]:
+        """Send a loop message to every rank; wait for the replies unless it is a fire-and-forget
+        ``Advance`` (L4). The first failing rank raises, without waiting for the others."""
+        if isinstance(command, Advance) and not command.wait:
+            self._workers.advance.broadcast(command)
+            return None
+        replies = self._gather(self._workers.advance.stream(command))
+        return sorted(replies, key=lambda reply: reply.rank)
+
+    def read_metrics(self, view: str) -> dict[str, Any]:
+        """Rank 0's ``trainer.<view>``; every rank takes part, for metrics synced across ranks."""
+        values = [value for value in self._gather(self._workers.read_metrics.stream(view)) if value is not None]
+        return values[0]
+
+    def checkpoint_state(self) -> CheckpointState:
+        """Rank 0's model, optimizer and LR-scheduler state at the point the loop has reached."""
+        return self._check(self._rank0.checkpoint_state.call_one().get())
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Run the module's ``on_save_checkpoint`` on rank 0 and return the checkpoint it edited."""
+        return self._check(self._rank0.on_save_checkpoint.call_one(checkpoint).get())
+
+    def stop(self) -> None:
+        """Stop every worker process. Idempotent; runs even when the workers are stuck."""
+        procs, self._procs = self._procs, None
+        if procs is None:
+            return
+        try:
+            procs.stop().get(timeout=_STOP_TIMEOUT_S)
+        except Exception as error:  # the mesh may already be gone; stopping must not mask the cause
+            log.warning("Stopping the worker mesh failed: %s", error)
+
+    def _gather(self, futures: Iterable[Any]) -> list[Any]:
+        values = [self._check(future.get()) for future in futures]
+        _FAULTS.raise_if_failed()
+        return values
+
+    @staticmethod
+    def _check(value: Any) -> Any:
+        if isinstance(value, WorkerFailure):
+            raise WorkerError(value)
+        if isinstance(value, WorkerReply) and value.failure is not None:
+            raise WorkerError(value.failure)
+        return value

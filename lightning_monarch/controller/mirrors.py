@@ -1,0 +1,168 @@
+"""Light stand-ins on the controller for objects that live on the workers.
+
+Runs on the controller. Lightning's loop on the controller needs optimizers, LR schedulers and
+dataloaders to exist; these mirrors give it what it reads (hyperparameters for
+``LearningRateMonitor``, lengths for the loop) and never hold parameters, gradients or samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_monarch.protocol import CheckpointState, LoaderRef, OptimizerRef, SchedulerRef
+
+StateSource = Callable[[], CheckpointState]
+
+
+class OptimizerMirror(torch.optim.Optimizer):
+    """Runs on the controller: a worker optimizer's param groups, without parameters.
+
+    ``step(closure)`` runs the controller's closure as many times as the worker ran the real one,
+    so the controller's Lightning loop goes through the same hooks (L5). Subclasses named after
+    the worker's optimizer class are made per class, so loggers see ``lr-Adam`` as under DDP.
+    """
+
+    def __init__(self, param_groups: list[dict[str, Any]], closure_runs: Callable[[], int]) -> None:
+        super().__init__([{**group, "params": [torch.zeros(())]} for group in param_groups], defaults={})
+        self._closure_runs = closure_runs
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            for _ in range(self._closure_runs()):
+                loss = closure()
+        return loss
+
+    def update_hyperparameters(self, param_groups: list[dict[str, Any]]) -> None:
+        """Take the worker's current hyperparameters (learning rate, momentum...)."""
+        for group, values in zip(self.param_groups, param_groups):
+            group.update(values)
+
+
+class _SchedulerState:
+    """A scheduler mirror's link to the worker scheduler's state, for checkpoints."""
+
+    def __init__(self, optimizer: OptimizerMirror, index: int, state: StateSource) -> None:
+        self.optimizer = optimizer
+        self._index = index
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state().lr_schedulers[self._index]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The workers load scheduler state themselves; the mirror has none to load."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """The workers step their schedulers in ``lr_scheduler_step``; the mirror follows their lr."""
+
+
+class SchedulerMirror(_SchedulerState, LRScheduler):
+    """Runs on the controller: stands in for a worker's ``LRScheduler``."""
+
+
+class PlateauMirror(_SchedulerState, ReduceLROnPlateau):
+    """Runs on the controller: stands in for a worker's ``ReduceLROnPlateau``."""
+
+
+class LoaderLengths:
+    """Runs on the controller: the workers' dataloader lengths, per stage, asked for when needed.
+
+    Each worker shards its data with a ``DistributedSampler``, so the lengths are known only after
+    the workers have built their loaders; a ``Peek`` lets them get that far (L3).
+    """
+
+    def __init__(self, peek: Callable[[], dict[str, list[Optional[int]]]]) -> None:
+        self._peek = peek
+        self._lengths: dict[str, list[Optional[int]]] = {}
+
+    def invalidate(self, stage: str) -> None:
+        """The workers are building new ``stage`` loaders; forget the old lengths."""
+        self._lengths.pop(stage, None)
+
+    def get(self, stage: str, index: int) -> Optional[int]:
+        if stage not in self._lengths:
+            self._lengths.update(self._peek())
+        return self._lengths[stage][index]
+
+
+class PlanLoader:
+    """Runs on the controller: stands in for one worker dataloader and yields batch indices.
+
+    The controller never sees samples; its loop steps through ``range(len(loader))`` while each
+    worker loads its own shard of the batch with the same index.
+    """
+
+    def __init__(self, stage: str, index: int, lengths: LoaderLengths, batch_size: Optional[int]) -> None:
+        self.stage = stage
+        self.index = index
+        self.batch_size = batch_size
+        self._lengths = lengths
+
+    def __len__(self) -> int:
+        length = self._lengths.get(self.stage, self.index)
+        if length is None:
+            raise TypeError(f"The workers' {self.stage} dataloader #{self.index} has no length.")
+        return length
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self)))
+
+
+def plan_loaders(description: Any, stage: str, lengths: LoaderLengths) -> Any:
+    """Mirror a ``*_dataloader`` result (a tree of :class:`LoaderRef`) with :class:`PlanLoader`s."""
+    refs, spec = tree_flatten(description)
+    lengths.invalidate(stage)
+    loaders = [
+        PlanLoader(stage, index, lengths, ref.batch_size if isinstance(ref, LoaderRef) else None)
+        for index, ref in enumerate(refs)
+    ]
+    return tree_unflatten(loaders, spec)
+
+
+def optimizer_mirrors(description: Any, closure_runs: Callable[[], int], state: StateSource) -> Any:
+    """Mirror a ``configure_optimizers`` result described by the workers, keeping its shape."""
+    optimizers: dict[int, OptimizerMirror] = {}
+    schedulers: list[Any] = []
+
+    def optimizer(ref: OptimizerRef) -> OptimizerMirror:
+        if ref.index not in optimizers:
+            cls = type(ref.class_name, (OptimizerMirror,), {"__module__": __name__})
+            optimizers[ref.index] = cls(ref.param_groups, closure_runs)
+        return optimizers[ref.index]
+
+    def scheduler(ref: SchedulerRef) -> Any:
+        cls = PlateauMirror if ref.reduce_on_plateau else SchedulerMirror
+        mirror = cls(optimizers[ref.optimizer_index], len(schedulers), state)
+        schedulers.append(mirror)
+        return mirror
+
+    def mirror(item: Any) -> Any:
+        if isinstance(item, OptimizerRef):
+            return optimizer(item)
+        if isinstance(item, SchedulerRef):
+            return scheduler(item)
+        if isinstance(item, dict):
+            return {key: mirror(value) for key, value in item.items()}
+        if isinstance(item, (list, tuple)):
+            return type(item)(mirror(value) for value in item)
+        return item
+
+    for ref in _optimizer_refs(description):
+        optimizer(ref)
+    return mirror(description)
+
+
+def _optimizer_refs(item: Any) -> Iterator[OptimizerRef]:
+    if isinstance(item, OptimizerRef):
+        yield item
+    elif isinstance(item, dict):
+        for value in item.values():
+            yield from _optimizer_refs(value)
+    elif isinstance(item, (list, tuple)):
+        for value in item:
+            yield from _optimizer_refs(value)

@@ -1,0 +1,215 @@
+"""The controller's side of the lockstep for one Trainer stage (L2-L5 in ``protocol``).
+
+Runs on the controller. A :class:`StageSession` puts gates on the user's LightningModule and
+LightningDataModule and a gate callback first in the Trainer's callbacks, so that the real
+Lightning loop running here drives the workers' loops hook by hook. User hooks never run here:
+at each gate the session sends an ``Advance`` and runs only Lightning's base implementation,
+fed with what the workers returned.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_monarch.controller.metrics import mirror_metrics
+from lightning_monarch.controller.mesh import WorkerMesh
+from lightning_monarch.controller.mirrors import LoaderLengths, optimizer_mirrors, plan_loaders
+from lightning_monarch.controller.predictions import PredictionCollector
+from lightning_monarch.gates import GateCallback, install_hook_gates
+from lightning_monarch.protocol import (
+    DATAMODULE_HOOKS,
+    MODULE_HOOKS,
+    RESULT_HOOKS,
+    Advance,
+    CheckpointState,
+    Finish,
+    Peek,
+    WorkerReply,
+)
+
+_BASES = {"module": LightningModule, "datamodule": LightningDataModule}
+
+
+class LockstepError(RuntimeError):
+    """The controller's loop and the workers' loops reached different hooks."""
+
+
+class StageSession:
+    """Runs on the controller: drives the workers through one stage in step with the local loop."""
+
+    def __init__(self, trainer: Trainer, mesh: WorkerMesh, module: LightningModule,
+                 datamodule: Optional[LightningDataModule]) -> None:
+        self._trainer = trainer
+        self._mesh = mesh
+        self._objects = {"module": module, "datamodule": datamodule}
+        self._gate_callback = GateCallback(self.around)
+        self._wait: dict[str, bool] = {}
+        self._replay: Optional[deque[tuple[str, Any]]] = None
+        self._eval_outputs: deque[dict[str, Any]] = deque()
+        self._position = 0
+        self._state: Optional[tuple[int, CheckpointState]] = None
+        self.lengths = LoaderLengths(self.peek)
+        self.predictions = PredictionCollector()
+        self.final_state: Optional[CheckpointState] = None
+
+    @contextmanager
+    def installed(self) -> Iterator["StageSession"]:
+        """Gates, the metrics mirror and the gate callback for the duration of the stage."""
+        module, datamodule = self._objects["module"], self._objects["datamodule"]
+        undo = [install_hook_gates(module, "module", MODULE_HOOKS, self.around)]
+        if datamodule is not None:
+            undo.append(install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, self.around))
+        if is_overridden("on_save_checkpoint", module, LightningModule):
+            undo.append(install_hook_gates(module, "checkpoint", ["on_save_checkpoint"], self._on_save_checkpoint))
+        undo.append(mirror_metrics(self._trainer, self))
+        self._trainer.callbacks.insert(0, self._gate_callback)
+        try:
+            yield self
+        finally:
+            self._trainer.callbacks.remove(self._gate_callback)
+            for step in reversed(undo):
+                step()
+
+    # ----- gates -----------------------------------------------------------------------------
+
+    def around(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Runs at every gated hook call on the controller (L2-L5)."""
+        owner, hook = gate.split(".", 1)
+        base = getattr(_BASES[owner], hook).__get__(self._objects[owner]) if owner in _BASES else fn
+        if self._replay is not None:
+            return self._nested(gate, base, args, kwargs)
+        replies = self._advance(Advance(gate, self._trainer.should_stop, self._must_wait(gate)))
+        if gate in RESULT_HOOKS:
+            assert replies is not None
+            return self._result(gate, replies)
+        self._replay = deque(replies[0].nested if replies else ())
+        try:
+            return base(*args, **kwargs)
+        finally:
+            self._replay = None
+
+    def _nested(self, gate: str, base: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        assert self._replay is not None
+        if gate not in RESULT_HOOKS:
+            return base(*args, **kwargs)
+        if not self._replay or self._replay[0][0] != gate:
+            recorded = self._replay[0][0] if self._replay else "nothing"
+            raise LockstepError(f"The controller called `{gate}` inside a hook where the workers called {recorded}.")
+        return self._materialize(gate, self._replay.popleft()[1])
+
+    def closure_runs(self) -> int:
+        """How many times the workers ran the optimizer closure in the hook being replayed."""
+        return sum(gate == "module.training_step" for gate, _ in self._replay or ())
+
+    def _must_wait(self, gate: str) -> bool:
+        """Whether the controller needs anything back from gate ``gate`` (L4)."""
+        if gate not in self._wait:
+            owner, hook = gate.split(".", 1)
+            if gate in RESULT_HOOKS or gate == "module.optimizer_step":
+                wait = True
+            elif owner in _BASES:
+                wait = is_overridden(hook, self._objects[owner], _BASES[owner])
+            else:
+                wait = any(
+                    is_overridden(hook, callback, Callback)
+                    for callback in self._trainer.callbacks
+                    if callback is not self._gate_callback
+                )
+            self._wait[gate] = wait
+        return self._wait[gate]
+
+    def _result(self, gate: str, replies: list[WorkerReply]) -> Any:
+        if gate == "module.predict_step":
+            self.predictions.add([reply.result for reply in replies])
+        return self._materialize(gate, replies[0].result)
+
+    def _materialize(self, gate: str, value: Any) -> Any:
+        hook = gate.split(".", 1)[1]
+        if hook == "training_step":
+            return _trainable(value)
+        if hook == "predict_step":
+            return value.output
+        if hook == "configure_optimizers":
+            return optimizer_mirrors(value, self.closure_runs, self.checkpoint_state)
+        if hook.endswith("_dataloader"):
+            return plan_loaders(value, hook.split("_", 1)[0], self.lengths)
+        return value
+
+    # ----- messages --------------------------------------------------------------------------
+
+    def _advance(self, command: Any) -> Optional[list[WorkerReply]]:
+        replies = self._mesh.advance(command)
+        self._position += 1
+        if replies:
+            self._apply(replies[0])
+        return replies
+
+    def _apply(self, reply: WorkerReply) -> None:
+        trainer = self._trainer
+        trainer.should_stop = reply.should_stop
+        for method, args in reply.logger_calls:
+            for logger in trainer.loggers:
+                getattr(logger, method)(*args)
+                logger.save()
+        for mirror, groups in zip(trainer.optimizers, reply.param_groups or ()):
+            mirror.update_hyperparameters(groups)
+        self._eval_outputs.extend(reply.eval_outputs)
+
+    def peek(self) -> dict[str, list[Optional[int]]]:
+        """Let the workers run up to their next gate; return their dataloader lengths."""
+        replies = self._advance(Peek())
+        assert replies is not None
+        return replies[0].loader_lengths or {}
+
+    def next_eval_outputs(self) -> dict[str, Any]:
+        """The next value the workers' ``update_eval_epoch_metrics`` returned on rank 0."""
+        if not self._eval_outputs:
+            self.peek()
+        if not self._eval_outputs:
+            raise LockstepError("The controller's evaluation loop ended an epoch that the workers did not end.")
+        return self._eval_outputs.popleft()
+
+    def read_metrics(self, view: str) -> dict[str, Any]:
+        """Rank 0's ``trainer.<view>`` at the point both loops have reached."""
+        return self._mesh.read_metrics(view)
+
+    def checkpoint_state(self) -> CheckpointState:
+        """Rank 0's model, optimizer and scheduler state here; read once per loop position."""
+        if self._state is None or self._state[0] != self._position:
+            self._state = (self._position, self._mesh.checkpoint_state())
+        return self._state[1]
+
+    def _on_save_checkpoint(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        checkpoint = args[0] if args else kwargs["checkpoint"]
+        edited = self._mesh.on_save_checkpoint(checkpoint)
+        checkpoint.clear()
+        checkpoint.update(edited)
+
+    def finish(self, trained: bool) -> None:
+        """Let the workers finish the stage and take their final metrics; after training, also their
+        final state, which the controller's module then holds."""
+        self._advance(Finish())
+        for view in ("callback_metrics", "progress_bar_metrics", "logged_metrics"):
+            getattr(self._trainer, view)
+        if trained:
+            self.final_state = self._mesh.checkpoint_state()
+            self._objects["module"].load_state_dict(self.final_state.model)
+
+
+def _trainable(output: Any) -> Any:
+    """A training step's loss as the controller's loop needs it: a leaf that accepts ``backward``.
+
+    The real backward ran on the workers; the controller's loop still calls ``backward`` on the
+    value it got, which must not fail.
+    """
+    if isinstance(output, torch.Tensor) and output.is_floating_point():
+        return output.requires_grad_()
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return {**output, "loss": _trainable(output["loss"])}
+    return output

@@ -1,0 +1,28 @@
+"""Exceptions that lightning_monarch raises in the controller process."""
+
+from __future__ import annotations
+
+from lightning_monarch.protocol import WorkerFailure
+
+
+class WorkerError(RuntimeError):
+    """A worker raised an exception; raised in the controller with the rank, host, hook and the
+    remote traceback, so Lightning's ``on_exception`` and teardown run as for a local error."""
+
+    def __init__(self, failure: WorkerFailure) -> None:
+        where = f" in `{failure.hook}`" if failure.hook else ""
+        super().__init__(
+            f"Worker rank {failure.rank} on host {failure.host} raised"
+            f" {failure.exception_type}{where}: {failure.message}\n\n"
+            f"Remote traceback (rank {failure.rank}):\n{failure.traceback}"
+        )
+        self.failure = failure
+
+    @property
+    def rank(self) -> int:
+        """The global rank of the worker that failed first."""
+        return self.failure.rank
+
+
+class MeshFailureError(RuntimeError):
+    """Monarch reported that a worker process or the mesh failed (a process died, for example)."""

@@ -1,0 +1,77 @@
+"""Gate installation that both sides share: the same hooks must gate on the controller and on
+every worker (L2 in :mod:`lightning_monarch.protocol`), so both build their gates here.
+
+A gate wraps a hook so that calling it goes through an ``around(gate, fn, args, kwargs)``
+function: on the controller that function sends an ``Advance``; on a worker it parks the loop
+thread. The wrappers keep ``__wrapped__``, so Lightning's ``is_overridden`` sees the user's code.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterable
+
+from lightning.pytorch import Callback
+
+from lightning_monarch.protocol import CALLBACK_HOOKS, gate_id
+
+#: ``around(gate, fn, args, kwargs)``: runs ``fn(*args, **kwargs)`` at gate ``gate``.
+Around = Callable[[str, Callable[..., Any], tuple, dict], Any]
+
+
+def install_hook_gates(obj: Any, owner: str, hooks: Iterable[str], around: Around) -> Callable[[], None]:
+    """Route each of ``hooks`` on the instance ``obj`` through ``around``; returns the undo.
+
+    The wrappers live in the instance's ``__dict__`` only, so the class and other instances are
+    untouched and the undo restores the object exactly.
+    """
+    installed: list[str] = []
+    for hook in hooks:
+        bound = getattr(obj, hook, None)
+        if bound is None or hook in vars(obj):
+            continue
+        vars(obj)[hook] = _gated(gate_id(owner, hook), bound, around)
+        installed.append(hook)
+
+    def uninstall() -> None:
+        for hook in installed:
+            vars(obj).pop(hook, None)
+
+    return uninstall
+
+
+def _gated(gate: str, bound: Callable[..., Any], around: Around) -> Callable[..., Any]:
+    @functools.wraps(bound)
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        return around(gate, bound, args, kwargs)
+
+    return gated
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class GateCallback(Callback):
+    """The first callback of a Trainer under ``strategy="monarch"``: each callback hook gates.
+
+    Lightning calls callbacks in list order, so a gate placed first marks the moment just before
+    the other callbacks of that hook run, on the controller and on each worker alike.
+    """
+
+    def __init__(self, around: Around) -> None:
+        self._around = around
+
+
+def _callback_gate(hook: str) -> Callable[..., None]:
+    gate = gate_id("callback", hook)
+
+    def method(self: GateCallback, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+        self._around(gate, _noop, args, kwargs)
+
+    method.__name__ = hook
+    return method
+
+
+for _hook in CALLBACK_HOOKS:
+    setattr(GateCallback, _hook, _callback_gate(_hook))

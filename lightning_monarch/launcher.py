@@ -1,0 +1,160 @@
+"""``MonarchLauncher``: brings the worker mesh up around one Trainer stage and down after it.
+
+Runs on the controller. Lightning hands every ``fit``/``validate``/``test``/``predict`` call to the
+strategy's launcher. Bad input is rejected here before any worker starts; the mesh is stopped
+when the stage ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.utils._pytree import tree_flatten
+
+from lightning_monarch import _compat
+from lightning_monarch.controller.checks import pack_for_workers
+from lightning_monarch.controller.mesh import WorkerMesh
+from lightning_monarch.controller.mirrors import plan_loaders
+from lightning_monarch.controller.session import StageSession
+from lightning_monarch.gates import install_hook_gates
+from lightning_monarch.protocol import LoaderRef, LoggerIdentity, StageSpec, TrainerConfig
+
+if TYPE_CHECKING:
+    from lightning_monarch.strategy import MonarchStrategy
+
+_STAGES = {"_fit_impl": "fit", "_validate_impl": "validate", "_test_impl": "test", "_predict_impl": "predict"}
+_TRAINER_FN = {"fit": TrainerFn.FITTING, "validate": TrainerFn.VALIDATING, "test": TrainerFn.TESTING,
+               "predict": TrainerFn.PREDICTING}
+#: The loop stage each dataloader argument feeds, per Trainer method.
+_LOADER_STAGES = {
+    "fit": {"train_dataloaders": "train", "val_dataloaders": "val"},
+    "validate": {"dataloaders": "val"},
+    "test": {"dataloaders": "test"},
+    "predict": {"dataloaders": "predict"},
+}
+#: Environment variables that make the workers' RNG match DDP ranks' (``seed_everything``).
+_SEED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+class MonarchLauncher(_compat.Launcher):
+    """Runs on the controller: one worker mesh per Trainer stage."""
+
+    def __init__(self, strategy: "MonarchStrategy") -> None:
+        self._strategy = strategy
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        """The controller is the only process Lightning sees, so notebooks work."""
+        return True
+
+    def kill(self, signum: Any) -> None:
+        """Lightning asks a launcher to kill its processes on interrupt; ``launch`` always stops the
+        mesh itself, on every way out, so nothing is left to kill here."""
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
+        assert trainer is not None
+        stage = _STAGES[function.__name__]
+        arguments = inspect.signature(function).bind(*args, **kwargs).arguments
+        loader_args = _LOADER_STAGES[stage]
+        for name in loader_args:
+            if isinstance(arguments.get(name), LightningDataModule):
+                arguments["datamodule"], arguments[name] = arguments[name], None
+        module = arguments.get("model") or trainer.lightning_module
+        if module is None:
+            return function(**arguments)  # Lightning raises its own error for a missing model
+        datamodule = arguments.get("datamodule")
+        loaders = {name: arguments[name] for name in loader_args if arguments.get(name) is not None}
+        spec = self._stage_spec(stage, trainer, module, datamodule, loaders, arguments)
+
+        silence = _silence_on_exception(datamodule)
+        mesh = WorkerMesh.spawn(self._strategy.num_workers)
+        try:
+            mesh.start_stage(spec)
+            session = StageSession(trainer, mesh, module, datamodule)
+            self._strategy.attach(session)
+            with session.installed():
+                for name, value in loaders.items():
+                    arguments[name] = plan_loaders(LoaderRef.describe(value), loader_args[name], session.lengths)
+                result = function(**arguments)
+                session.finish(trained=stage == "fit")
+            if stage == "predict" and result is not None:
+                batch_sizes = [getattr(loader, "batch_size", None) for loader in tree_flatten(trainer.predict_dataloaders)[0]]
+                result = session.predictions.in_dataset_order(len(trainer.num_predict_batches), batch_sizes)
+            return result
+        except BaseException:
+            self._strategy.keep_until_exception_handled(silence)
+            silence = None
+            raise
+        finally:
+            self._strategy.attach(None)
+            mesh.stop()
+            if silence is not None:
+                silence()
+
+    def _stage_spec(self, stage: str, trainer: Trainer, module: LightningModule,
+                    datamodule: Optional[LightningDataModule], loaders: dict[str, Any],
+                    arguments: dict[str, Any]) -> StageSpec:
+        """Everything the workers need, checked and pickled before any of them starts."""
+        strategy = self._strategy
+        script_dir = _script_dir()
+        payload = pack_for_workers(
+            {
+                "LightningModule": module,
+                "LightningDataModule": datamodule,
+                "dataloaders": loaders,
+                "worker_callbacks": strategy.worker_callbacks,
+            },
+            script_dir,
+        )
+        ckpt_path = _compat.resolve_ckpt_path(
+            trainer, _TRAINER_FN[stage], arguments.get("ckpt_path"), model_provided=arguments.get("model") is not None
+        )
+        if ckpt_path is not None and "://" not in ckpt_path and not os.path.exists(ckpt_path):
+            raise FileNotFoundError(
+                f"`trainer.{stage}(ckpt_path={arguments.get('ckpt_path')!r})`: no checkpoint file at {ckpt_path}."
+            )
+        return StageSpec(
+            fn=stage,
+            payload=payload,
+            ckpt_path=ckpt_path,
+            trainer=TrainerConfig(
+                accelerator=strategy.worker_accelerator,
+                devices=len(strategy.parallel_devices or ()),
+                num_nodes=strategy.num_nodes,
+                precision=str(trainer.precision),
+                process_group_backend=strategy.process_group_backend,
+                flags={**_compat.trainer_flags(trainer), "sync_batchnorm": strategy.sync_batchnorm},
+                ddp_kwargs=strategy.ddp_kwargs,
+            ),
+            logger=_logger_identity(trainer),
+            sys_path=(script_dir,) if script_dir else (),
+            env={name: os.environ[name] for name in _SEED_ENV if name in os.environ},
+        )
+
+
+def _script_dir() -> Optional[str]:
+    """The folder of the script the user ran: on its ``sys.path``, as it would be under torchrun."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    return os.path.dirname(os.path.abspath(main_file)) if main_file else None
+
+
+def _logger_identity(trainer: Trainer) -> Optional[LoggerIdentity]:
+    if not trainer.loggers:
+        return None
+    logger = trainer.loggers[0]
+    return LoggerIdentity(name=logger.name, version=logger.version, save_dir=logger.save_dir, log_dir=logger.log_dir)
+
+
+def _skip(gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """The datamodule's ``on_exception`` ran on the worker that failed; it must not run here too."""
+
+
+def _silence_on_exception(datamodule: Optional[LightningDataModule]) -> Optional[Callable[[], None]]:
+    if datamodule is None:
+        return None
+    return install_hook_gates(datamodule, "controller", ["on_exception"], _skip)

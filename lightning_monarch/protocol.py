@@ -1,0 +1,333 @@
+"""The messages the controller and the workers exchange, and the hook names both sides gate on.
+
+Both sides import this module; nothing here talks to a mesh or runs a hook.
+
+How the two sides stay in step (the lockstep invariants, cited elsewhere as L1-L5):
+
+L1. The controller runs Lightning's real loop for the stage; every worker runs Lightning's real
+    ``Trainer`` for the same stage with ``DDPStrategy`` on a loop thread. Both sides see the same
+    flags and the same dataloader lengths, so both loops reach the same hooks in the same order.
+L2. A *gate* is a top-level call of a hook in :data:`MODULE_HOOKS`, :data:`DATAMODULE_HOOKS` or
+    :data:`CALLBACK_HOOKS`. Hooks called while another gated hook runs are *nested* and never gate.
+L3. At each gate the controller sends one :class:`Advance`. A worker runs up to that gate, checks
+    that it reached the same hook, runs it, and parks right after it. The work between two gates
+    (Lightning's own bookkeeping) runs only when the next ``Advance`` arrives, so a worker never
+    acts on controller state (``should_stop``) older than the controller's own decision.
+L4. Messages to one worker arrive in order. An ``Advance`` that the controller does not wait on is
+    a fire-and-forget broadcast; its effects (logged values, logger calls) travel with the next
+    reply that the controller waits for.
+L5. User hooks run on the workers only. The controller runs only Lightning's base implementation
+    of a hook, fed with what the workers returned.
+"""
+
+from __future__ import annotations
+
+import socket
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from torch.utils._pytree import tree_map
+
+#: Hooks of a ``LightningModule`` that gate (L2). ``on_save_checkpoint`` is absent: the controller
+#: calls it while it writes a checkpoint, which the workers never do, so it runs out of band.
+MODULE_HOOKS: tuple[str, ...] = (
+    "prepare_data",
+    "setup",
+    "teardown",
+    "configure_callbacks",
+    "configure_model",
+    "configure_sharded_model",
+    "configure_optimizers",
+    "train_dataloader",
+    "val_dataloader",
+    "test_dataloader",
+    "predict_dataloader",
+    "on_before_batch_transfer",
+    "transfer_batch_to_device",
+    "on_after_batch_transfer",
+    "on_fit_start",
+    "on_fit_end",
+    "on_train_start",
+    "on_train_end",
+    "on_validation_start",
+    "on_validation_end",
+    "on_test_start",
+    "on_test_end",
+    "on_predict_start",
+    "on_predict_end",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+    "on_test_epoch_start",
+    "on_test_epoch_end",
+    "on_predict_epoch_start",
+    "on_predict_epoch_end",
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+    "on_validation_model_zero_grad",
+    "on_validation_model_eval",
+    "on_validation_model_train",
+    "on_test_model_eval",
+    "on_test_model_train",
+    "on_predict_model_eval",
+    "training_step",
+    "validation_step",
+    "test_step",
+    "predict_step",
+    "on_before_zero_grad",
+    "optimizer_zero_grad",
+    "on_before_backward",
+    "backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "configure_gradient_clipping",
+    "optimizer_step",
+    "lr_scheduler_step",
+    "on_load_checkpoint",
+)
+
+#: Hooks of a ``LightningDataModule`` that gate (L2).
+DATAMODULE_HOOKS: tuple[str, ...] = (
+    "prepare_data",
+    "setup",
+    "teardown",
+    "train_dataloader",
+    "val_dataloader",
+    "test_dataloader",
+    "predict_dataloader",
+    "on_before_batch_transfer",
+    "transfer_batch_to_device",
+    "on_after_batch_transfer",
+)
+
+#: Callback hooks that gate (L2). Checkpoint hooks and ``on_exception`` are absent: the first run
+#: out of band, the second runs on each side's own failure path.
+CALLBACK_HOOKS: tuple[str, ...] = (
+    "setup",
+    "teardown",
+    "on_fit_start",
+    "on_fit_end",
+    "on_sanity_check_start",
+    "on_sanity_check_end",
+    "on_train_start",
+    "on_train_end",
+    "on_validation_start",
+    "on_validation_end",
+    "on_test_start",
+    "on_test_end",
+    "on_predict_start",
+    "on_predict_end",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+    "on_test_epoch_start",
+    "on_test_epoch_end",
+    "on_predict_epoch_start",
+    "on_predict_epoch_end",
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_zero_grad",
+    "on_before_optimizer_step",
+)
+
+#: Gates whose worker result the controller uses instead of running Lightning's base
+#: implementation (L5). Every other gate returns the base implementation's value.
+RESULT_HOOKS: frozenset[str] = frozenset(
+    {
+        "module.training_step",
+        "module.validation_step",
+        "module.test_step",
+        "module.predict_step",
+        "module.on_train_batch_start",
+        "module.configure_optimizers",
+        "module.configure_callbacks",
+        "module.train_dataloader",
+        "module.val_dataloader",
+        "module.test_dataloader",
+        "module.predict_dataloader",
+        "datamodule.train_dataloader",
+        "datamodule.val_dataloader",
+        "datamodule.test_dataloader",
+        "datamodule.predict_dataloader",
+    }
+)
+
+#: Gates that Lightning calls on some ranks only (``prepare_data`` runs on local rank 0). A worker
+#: that does not reach one answers :class:`Advance` for it with a skip.
+RANK_LOCAL_HOOKS: frozenset[str] = frozenset({"module.prepare_data", "datamodule.prepare_data"})
+
+
+def gate_id(owner: str, hook: str) -> str:
+    """The name of a gate on the wire: ``"module.training_step"``, ``"callback.on_fit_start"``."""
+    return f"{owner}.{hook}"
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The controller Trainer's flags that a worker's Trainer must share so both loops agree (L1)."""
+
+    accelerator: str
+    devices: int
+    num_nodes: int
+    precision: str
+    process_group_backend: Optional[str]
+    flags: dict[str, Any]
+    ddp_kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Everything a worker needs to run one Trainer stage: sent once per stage.
+
+    ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks)``; it is
+    pickled once on the controller (where a failure is reported before any worker starts) and
+    sent as raw bytes, which Monarch moves faster than pickled tensors.
+    """
+
+    fn: str
+    payload: bytes
+    ckpt_path: Optional[str]
+    trainer: TrainerConfig
+    logger: Optional["LoggerIdentity"]
+    sys_path: tuple[str, ...]
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class LoggerIdentity:
+    """What module code on a worker sees of the controller's first logger (``self.logger.name``)."""
+
+    name: Optional[str]
+    version: Any
+    save_dir: Optional[str]
+    log_dir: Optional[str]
+
+
+@dataclass(frozen=True)
+class Advance:
+    """Run up to gate ``hook``, run it, park after it (L3). Carries the controller's control state."""
+
+    hook: str
+    should_stop: bool
+    wait: bool
+
+
+@dataclass(frozen=True)
+class Peek:
+    """Run Lightning's bookkeeping up to the next gate without running it; report loader lengths."""
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Run the rest of the stage; no gate may follow."""
+
+
+@dataclass(frozen=True)
+class OptimizerRef:
+    """An optimizer the user's ``configure_optimizers`` returned, described for the controller."""
+
+    index: int
+    class_name: str
+    param_groups: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class SchedulerRef:
+    """An LR scheduler the user's ``configure_optimizers`` returned, described for the controller."""
+
+    class_name: str
+    optimizer_index: int
+    reduce_on_plateau: bool
+
+
+@dataclass(frozen=True)
+class LoaderRef:
+    """A dataloader that a ``*_dataloader`` hook returned; the controller iterates batch indices."""
+
+    batch_size: Optional[int]
+
+    @classmethod
+    def describe(cls, loaders: Any) -> Any:
+        """The same tree as ``loaders`` (a loader, or lists/dicts of them) with each loader described."""
+        return tree_map(lambda loader: cls(batch_size=getattr(loader, "batch_size", None)), loaders)
+
+
+@dataclass(frozen=True)
+class PredictionShard:
+    """One rank's ``predict_step`` output for one batch, with the dataset indices of its samples."""
+
+    output: Any
+    batch_indices: list[int]
+    dataloader_idx: int
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """An exception raised on a worker, with where it happened and the remote traceback."""
+
+    rank: int
+    host: str
+    hook: Optional[str]
+    exception_type: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def capture(cls, error: BaseException, rank: int, hook: Optional[str]) -> "WorkerFailure":
+        """Describe ``error``, raised on this host at rank ``rank`` in ``hook``, with its traceback."""
+        return cls(
+            rank=rank,
+            host=socket.gethostname(),
+            hook=hook,
+            exception_type=type(error).__name__,
+            message=str(error),
+            traceback="".join(traceback.format_exception(error)),
+        )
+
+
+@dataclass
+class WorkerReply:
+    """A worker's answer to an :class:`Advance`, :class:`Peek` or :class:`Finish`.
+
+    Rank 0 fills the state fields (logger calls, optimizer hyperparameters, the values that
+    ``update_eval_epoch_metrics`` returned, loader lengths) in every reply the controller waits on;
+    other ranks send only what is per-rank (the ``result`` of ``predict_step``, a failure).
+    """
+
+    rank: int
+    hook: Optional[str] = None
+    result: Any = None
+    nested: list[tuple[str, Any]] = field(default_factory=list)
+    should_stop: bool = False
+    logger_calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+    param_groups: Optional[list[list[dict[str, Any]]]] = None
+    eval_outputs: list[dict[str, Any]] = field(default_factory=list)
+    loader_lengths: Optional[dict[str, list[Optional[int]]]] = None
+    skipped: bool = False
+    failure: Optional[WorkerFailure] = None
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """Rank 0's model, optimizer and LR-scheduler state, for a checkpoint or the end of a stage."""
+
+    model: dict[str, Any]
+    optimizers: list[dict[str, Any]]
+    lr_schedulers: list[dict[str, Any]]

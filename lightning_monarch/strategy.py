@@ -1,0 +1,225 @@
+"""``MonarchStrategy``: the Lightning strategy the controller's Trainer talks to.
+
+Runs on the controller. To Lightning there is one process, as with lightning-Graphcore's
+``IPUStrategy``: ``is_global_zero`` is True and ``barrier``/``broadcast``/``reduce`` act locally.
+The real collectives run among the workers, inside each worker's own ``DDPStrategy``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch import Callback
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_monarch.accelerator import WorkerGPUAccelerator
+from lightning_monarch.controller.session import StageSession
+from lightning_monarch.launcher import MonarchLauncher
+from lightning_monarch.protocol import CheckpointState
+
+#: Keyword arguments of ``DistributedDataParallel`` that the workers' ``DDPStrategy`` passes on.
+_DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+
+
+class MonarchStrategy(ParallelStrategy):
+    """Train on a mesh of Monarch worker actors from one controller process: this one.
+
+    The controller runs Lightning's loops, callbacks, loggers and checkpoint files once; one
+    worker per device runs the LightningModule with Lightning's ``DDPStrategy``.
+
+    Args:
+        process_group_backend: the workers' ``torch.distributed`` backend; by default ``gloo`` on
+            CPU and ``nccl`` on GPUs (RCCL on a ROCm build of torch).
+        worker_callbacks: callbacks that need live parameters or gradients; they run on every worker.
+        **ddp_kwargs: keyword arguments for ``DistributedDataParallel`` on the workers, as for
+            ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``, ...).
+    """
+
+    strategy_name = "monarch"
+
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        worker_callbacks: Optional[list[Callback]] = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        unknown = sorted(set(ddp_kwargs) - _DDP_KWARGS)
+        if unknown:
+            raise TypeError(
+                f"MonarchStrategy got {unknown}, which are not keyword arguments of `DistributedDataParallel`."
+                f" Accepted: {sorted(_DDP_KWARGS)}."
+            )
+        self.process_group_backend = process_group_backend
+        self.worker_callbacks = list(worker_callbacks or [])
+        self.ddp_kwargs = ddp_kwargs
+        self._num_nodes = 1
+        self._layer_sync: Optional[Any] = None
+        self._session: Optional[StageSession] = None
+        self._last_state: Optional[CheckpointState] = None
+        self._undo_on_exception: Optional[Callable[[], None]] = None
+
+    # ----- configuration ---------------------------------------------------------------------
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_workers(self) -> int:
+        """How many worker processes the mesh has: one per device."""
+        return len(self.parallel_devices or ()) * self.num_nodes
+
+    @property
+    def worker_accelerator(self) -> str:
+        """The accelerator the workers' Trainers use: ``"cuda"`` (CUDA or ROCm) or ``"cpu"``."""
+        return "cuda" if isinstance(self.accelerator, (WorkerGPUAccelerator, CUDAAccelerator)) else "cpu"
+
+    @property
+    def sync_batchnorm(self) -> bool:
+        return self._layer_sync is not None
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._check_configuration()
+        self._launcher = MonarchLauncher(self)
+
+    def _check_configuration(self) -> None:
+        """Reject Trainer arguments that cannot work with a Monarch mesh, at ``Trainer(...)`` time."""
+        accelerator = self.accelerator
+        if not isinstance(accelerator, (CPUAccelerator, CUDAAccelerator, WorkerGPUAccelerator)):
+            raise MisconfigurationException(
+                f"`Trainer(strategy='monarch', accelerator={type(accelerator).__name__})`: Monarch workers run"
+                " on CPUs or on CUDA/ROCm GPUs. Use `accelerator='cpu'` or `accelerator='gpu'`."
+            )
+        if self.num_nodes != 1:
+            raise MisconfigurationException(
+                f"`Trainer(strategy='monarch', num_nodes={self.num_nodes})`: this version of lightning_monarch"
+                " runs its workers on this host only. Use `num_nodes=1`."
+            )
+        precision = self.precision_plugin
+        if not type(precision).__module__.startswith("lightning.pytorch.plugins.precision"):
+            raise MisconfigurationException(
+                f"`Trainer(strategy='monarch', plugins=[{type(precision).__name__}(...)])`: the workers build their"
+                " precision plugin from the `precision=` flag, so a custom precision plugin would not reach"
+                " them. Pass `precision='bf16-mixed'` (or another precision string) instead."
+            )
+
+    # ----- one process to Lightning ----------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return self.num_workers
+
+    @property
+    def is_distributed(self) -> bool:
+        """The controller is one process; the distribution happens among the workers."""
+        return False
+
+    @override
+    def model_to_device(self) -> None:
+        """The controller's module is a CPU mirror; the workers move theirs."""
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        """Only one controller exists, so there is nobody to wait for."""
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+        return tensor
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        return decision
+
+    # ----- state that lives on the workers ---------------------------------------------------
+
+    def attach(self, session: Optional[StageSession]) -> None:
+        """Runs on the controller: the session of the stage in progress, or ``None`` after it."""
+        if session is None and self._session is not None:
+            self._last_state = self._session.final_state or self._last_state
+        self._session = session
+
+    def keep_until_exception_handled(self, undo: Optional[Callable[[], None]]) -> None:
+        """Hold ``undo`` until Lightning has run its exception hooks (see ``on_exception``)."""
+        self._undo_on_exception = undo
+
+    def _worker_state(self) -> Optional[CheckpointState]:
+        if self._session is not None:
+            return self._session.checkpoint_state()
+        return self._last_state
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = self._worker_state() if self._session is not None else None
+        return state.model if state is not None else super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        state = self._worker_state()
+        if state is None:
+            raise RuntimeError("The workers' optimizer state is only known during or after `trainer.fit`.")
+        return state.optimizers[self.optimizers.index(optimizer)]
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Each worker loads optimizer state from the same checkpoint file itself."""
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        undo, self._undo_on_exception = self._undo_on_exception, None
+        if undo is not None:
+            undo()

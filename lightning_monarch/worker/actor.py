@@ -1,0 +1,87 @@
+"""The Monarch actor that the controller spawns once per device.
+
+Runs in each worker process. Its endpoints never raise: a raising endpoint that the controller
+sent fire-and-forget would reach Monarch's supervision, whose default kills the controller.
+Failures travel back as :class:`WorkerFailure` values instead.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional, Union
+
+from monarch.actor import Actor, endpoint
+
+from lightning_monarch.protocol import (
+    Advance,
+    CheckpointState,
+    Finish,
+    Peek,
+    StageSpec,
+    WorkerFailure,
+    WorkerReply,
+)
+from lightning_monarch.worker.loop import StageLoop
+from lightning_monarch.worker.stage import build_stage
+
+
+class MonarchWorker(Actor):
+    """Runs in each worker process: one DDP rank, driven stage by stage by the controller."""
+
+    def __init__(self) -> None:
+        self._stage: Optional[StageLoop] = None
+
+    @property
+    def _rank(self) -> int:
+        return int(os.environ.get("RANK", "0"))
+
+    @endpoint
+    def start_stage(self, spec: StageSpec) -> Optional[WorkerFailure]:
+        """Build this rank's Trainer for a new stage; the loop starts with the first message."""
+        if self._stage is not None:
+            self._stage.join(timeout=5.0)
+        try:
+            self._stage = build_stage(spec, self._rank)
+        except BaseException as error:
+            return self._failure(error, "start of the stage")
+        return None
+
+    @endpoint
+    def advance(self, command: Union[Advance, Peek, Finish]) -> WorkerReply:
+        """Move this rank's loop as the controller's loop moved (L3)."""
+        if self._stage is None:
+            error = RuntimeError("No stage was started on this worker before its first step.")
+            return WorkerReply(rank=self._rank, failure=self._failure(error, None))
+        return self._stage.submit(command)
+
+    @endpoint
+    def read_metrics(self, view: str) -> Union[Optional[dict[str, Any]], WorkerFailure]:
+        """Read ``trainer.<view>`` where the loop is parked (all ranks; rank 0's value returns)."""
+        return self._out_of_band(lambda reader: reader.read_metrics(view), f"trainer.{view}")
+
+    @endpoint
+    def checkpoint_state(self) -> Union[CheckpointState, WorkerFailure]:
+        """This rank's model, optimizer and LR-scheduler state where the loop is parked."""
+        return self._out_of_band(lambda reader: reader.checkpoint_state(), "checkpoint state")
+
+    @endpoint
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> Union[dict[str, Any], WorkerFailure]:
+        """Run the module's ``on_save_checkpoint`` on the checkpoint the controller is writing."""
+
+        def run(reader: Any) -> dict[str, Any]:
+            reader.module.on_save_checkpoint(checkpoint)
+            return checkpoint
+
+        return self._out_of_band(run, "on_save_checkpoint")
+
+    def _out_of_band(self, fn: Callable[[Any], Any], what: str) -> Any:
+        stage = self._stage
+        if stage is None:
+            return self._failure(RuntimeError("No stage has run on this worker."), what)
+        try:
+            return stage.out_of_band(lambda: fn(stage.reader))
+        except BaseException as error:
+            return self._failure(error, what)
+
+    def _failure(self, error: BaseException, hook: Optional[str]) -> WorkerFailure:
+        return WorkerFailure.capture(error, self._rank, hook)

@@ -1,0 +1,84 @@
+"""Turns the results of worker hooks into what the controller needs of them.
+
+Runs in each worker. Step outputs travel as detached CPU tensors; optimizers, schedulers and
+dataloaders cannot leave the worker, so they travel as descriptions (``OptimizerRef``,
+``SchedulerRef``, ``LoaderRef``) that the controller turns into light mirrors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.optim import Optimizer
+
+from lightning_monarch.protocol import LoaderRef, OptimizerRef, PredictionShard, SchedulerRef
+from lightning_monarch import _compat
+
+
+def to_cpu(value: Any) -> Any:
+    """Detached CPU copies of every tensor in ``value``."""
+    return apply_to_collection(value, torch.Tensor, lambda t: t.detach().cpu())
+
+
+def describe_result(gate: str, result: Any, trainer: Trainer, args: tuple) -> Any:
+    """What the controller receives for the result of gate ``gate``."""
+    owner, hook = gate.split(".", 1)
+    if hook in ("training_step", "validation_step", "test_step"):
+        return to_cpu(result)
+    if hook == "predict_step":
+        batch_idx = args[1]
+        dataloader_idx = args[2] if len(args) > 2 else 0
+        return PredictionShard(
+            output=to_cpu(result),
+            batch_indices=_compat.predict_batch_indices(trainer, batch_idx, dataloader_idx),
+            dataloader_idx=dataloader_idx,
+        )
+    if hook == "configure_optimizers":
+        return _describe_optimizers(result)
+    if hook.endswith("_dataloader"):
+        return LoaderRef.describe(result)
+    return result
+
+
+def worker_side_result(gate: str, result: Any) -> Any:
+    """What the worker's own Trainer receives: callbacks from ``configure_callbacks`` run on the
+    controller only, so the worker's Trainer gets none of them."""
+    if gate == "module.configure_callbacks":
+        return []
+    return result
+
+
+def _describe_optimizers(value: Any) -> Any:
+    optimizers: dict[int, int] = {}
+
+    def optimizer_index(optimizer: Optimizer) -> int:
+        return optimizers.setdefault(id(optimizer), len(optimizers))
+
+    def describe(item: Any) -> Any:
+        if isinstance(item, Optimizer):
+            return OptimizerRef(
+                index=optimizer_index(item),
+                class_name=type(item).__name__,
+                param_groups=param_group_hyperparameters(item),
+            )
+        if isinstance(item, _compat.LR_SCHEDULER_TYPES):
+            return SchedulerRef(
+                class_name=type(item).__name__,
+                optimizer_index=optimizer_index(item.optimizer),
+                reduce_on_plateau=isinstance(item, torch.optim.lr_scheduler.ReduceLROnPlateau),
+            )
+        if isinstance(item, dict):
+            return {key: describe(sub) for key, sub in item.items()}
+        if isinstance(item, (list, tuple)):
+            return type(item)(describe(sub) for sub in item)
+        return item
+
+    return describe(value)
+
+
+def param_group_hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:
+    """Each param group of ``optimizer`` without its parameters: what ``LearningRateMonitor`` reads."""
+    return [to_cpu({key: value for key, value in group.items() if key != "params"}) for group in optimizer.param_groups]

@@ -1,0 +1,210 @@
+"""The worker's half of the lockstep: Lightning's real stage on a loop thread that parks at gates.
+
+Runs in each worker process. The Monarch endpoint thread hands each controller message to the
+loop thread and waits for its answer; the loop thread runs ``Trainer.fit`` (or ``validate``,
+``test``, ``predict``) until the next gate, answers, and parks (L3). Keeping the whole stage on
+one thread keeps torch's thread-local state (grad mode, autocast, the current CUDA device)
+consistent, and running only while a message is being served keeps the worker deterministic.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+from lightning.pytorch import Trainer
+
+from lightning_monarch.protocol import (
+    RANK_LOCAL_HOOKS,
+    RESULT_HOOKS,
+    Advance,
+    Finish,
+    Peek,
+    WorkerFailure,
+    WorkerReply,
+)
+from lightning_monarch.worker.describe import describe_result, worker_side_result
+from lightning_monarch.worker.state import StateReader
+
+Command = Union[Advance, Peek, Finish]
+
+
+class LockstepError(RuntimeError):
+    """The controller's loop and a worker's loop reached different hooks (L1 was broken)."""
+
+
+@dataclass
+class _OutOfBand:
+    """A request served on the loop thread while it is parked, without moving the loop."""
+
+    fn: Callable[[], Any]
+
+
+class StageLoop:
+    """Runs in each worker: one Trainer stage, advanced gate by gate by the controller's messages."""
+
+    def __init__(self, trainer: Trainer, run: Callable[[], Any], rank: int, reader: StateReader) -> None:
+        self._trainer = trainer
+        self._run = run
+        self._rank = rank
+        self._reader = reader
+        self._inbox: queue.Queue[Union[Command, _OutOfBand]] = queue.Queue()
+        self._outbox: queue.Queue[Any] = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._command: Optional[Command] = None
+        self._depth = 0
+        self._nested: list[tuple[str, Any]] = []
+        self._gate: Optional[str] = None
+        self._failed_gate: Optional[str] = None
+        self._free_running = False
+        self._ended: Optional[WorkerReply] = None
+
+    # ----- endpoint thread -------------------------------------------------------------------
+
+    def submit(self, command: Command) -> WorkerReply:
+        """Runs on the endpoint thread: serve one controller message and return the answer."""
+        if self._ended is not None:
+            return self._answer_after_end(command)
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._main, args=(command,), name="lightning-monarch-loop", daemon=True
+            )
+            self._thread.start()
+        else:
+            self._inbox.put(command)
+        return self._outbox.get()
+
+    def out_of_band(self, fn: Callable[[], Any]) -> Any:
+        """Runs on the endpoint thread: run ``fn`` on the parked loop thread and return its value.
+
+        Used for checkpoint state, which must be read where the stage's tensors live, at the
+        point the loop has reached. Once the stage has ended, ``fn`` runs here directly.
+        """
+        if self._thread is None or self._ended is not None:
+            return fn()
+        self._inbox.put(_OutOfBand(fn))
+        value, error = self._outbox.get()
+        if error is not None:
+            raise error
+        return value
+
+    @property
+    def reader(self) -> StateReader:
+        """What this rank can tell the controller about its Trainer."""
+        return self._reader
+
+    def join(self, timeout: float) -> None:
+        """Runs on the endpoint thread: wait for the loop thread after the stage ended."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ----- loop thread -----------------------------------------------------------------------
+
+    def around(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Runs on the loop thread at every gated hook call (L2, L3)."""
+        if self._free_running:
+            return fn(*args, **kwargs)
+        if self._depth:
+            return self._nested_call(gate, fn, args, kwargs)
+        self._arrive(gate)
+        self._depth, self._nested, self._gate = 1, [], gate
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            self._free_running = True
+            self._failed_gate = self._failed_gate or gate
+            raise
+        finally:
+            self._depth = 0
+        command = self._command
+        assert isinstance(command, Advance)
+        reply = self._reply(gate, full=command.wait)
+        if self._rank == 0 or gate == "module.predict_step":
+            reply.result = describe_result(gate, result, self._trainer, args)
+        reply.nested = self._nested
+        self._outbox.put(reply)
+        self._wait()
+        return worker_side_result(gate, result)
+
+    def _nested_call(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self._depth += 1
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            self._failed_gate = self._failed_gate or gate
+            raise
+        finally:
+            self._depth -= 1
+        if gate in RESULT_HOOKS and self._rank == 0:
+            self._nested.append((gate, describe_result(gate, result, self._trainer, args)))
+        return worker_side_result(gate, result)
+
+    def _arrive(self, gate: str) -> None:
+        """Serve messages parked in front of ``gate`` until one asks to run it."""
+        while True:
+            command = self._command
+            if isinstance(command, Advance) and command.hook == gate:
+                return
+            if isinstance(command, Peek):
+                self._outbox.put(self._reply(gate, full=True))
+            elif isinstance(command, Advance) and command.hook in RANK_LOCAL_HOOKS:
+                self._outbox.put(WorkerReply(rank=self._rank, hook=command.hook, skipped=True))
+            else:
+                self._free_running = True
+                expected = command.hook if isinstance(command, Advance) else "the end of the stage"
+                raise LockstepError(
+                    f"The controller's loop reached `{expected}` but worker rank {self._rank} reached"
+                    f" `{gate}`. The two Lightning loops diverged; this is a bug in lightning_monarch"
+                    " or a hook that changes the loop's control flow differently on each side."
+                )
+            self._wait()
+
+    def _wait(self) -> None:
+        """Park until the next loop message; serve out-of-band requests meanwhile."""
+        while True:
+            item = self._inbox.get()
+            if isinstance(item, _OutOfBand):
+                try:
+                    self._outbox.put((item.fn(), None))
+                except Exception as error:  # handed to the endpoint thread, which raises it
+                    self._outbox.put((None, error))
+                continue
+            self._accept(item)
+            return
+
+    def _accept(self, command: Command) -> None:
+        self._command = command
+        if isinstance(command, Advance):
+            self._trainer.should_stop = command.should_stop
+
+    def _main(self, first: Command) -> None:
+        self._accept(first)
+        try:
+            self._run()
+        except BaseException as error:
+            self._free_running = True
+            self._ended = WorkerReply(rank=self._rank, failure=self._failure(error))
+        else:
+            self._ended = self._reply(None, full=True)
+        self._outbox.put(self._answer_after_end(self._command))
+
+    def _answer_after_end(self, command: Optional[Command]) -> WorkerReply:
+        assert self._ended is not None
+        if self._ended.failure is None and isinstance(command, Advance):
+            error = LockstepError(
+                f"The controller's loop reached `{command.hook}` but worker rank {self._rank} had"
+                " already finished the stage. The two Lightning loops diverged."
+            )
+            return WorkerReply(rank=self._rank, failure=self._failure(error))
+        return self._ended
+
+    def _reply(self, gate: Optional[str], full: bool) -> WorkerReply:
+        reply = WorkerReply(rank=self._rank, hook=gate, should_stop=self._trainer.should_stop)
+        if full:
+            self._reader.fill(reply)
+        return reply
+
+    def _failure(self, error: BaseException) -> WorkerFailure:
+        return WorkerFailure.capture(error, self._rank, self._failed_gate or self._gate)

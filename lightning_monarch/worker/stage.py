@@ -1,0 +1,88 @@
+"""Builds one Trainer stage on a worker from the controller's :class:`StageSpec`.
+
+Runs in each worker process. The worker's Trainer is Lightning's own, with ``DDPStrategy`` on the
+torch elastic environment that Monarch set up for this rank; it gets the controller's loop flags
+(L1), a gate callback first in its callback list, and gates on the module's hooks (L2). It has
+no progress bar, checkpoint callback or model summary: those run once, on the controller.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+
+import cloudpickle
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_monarch.gates import GateCallback, install_hook_gates
+from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS, StageSpec
+from lightning_monarch.worker.logger import RecordingLogger
+from lightning_monarch.worker.loop import StageLoop
+from lightning_monarch.worker.state import StateReader
+
+#: Extra keyword arguments each stage method takes on a worker.
+_STAGE_KWARGS = {
+    "fit": {},
+    "validate": {"verbose": False},
+    "test": {"verbose": False},
+    "predict": {"return_predictions": False},
+}
+
+
+#: Lightning's info messages ("Initializing distributed", "`Trainer.fit` stopped") are the
+#: controller's to print; a worker keeps warnings and errors only.
+_QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+
+
+def build_stage(spec: StageSpec, rank: int) -> StageLoop:
+    """Unpack the stage's objects, build this rank's Trainer and return its (not yet started) loop."""
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for path in reversed(spec.sys_path):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    os.environ.update(spec.env)
+    module, datamodule, loaders, worker_callbacks = cloudpickle.loads(spec.payload)
+
+    loop: StageLoop
+
+    def around(gate, fn, args, kwargs):  # noqa: ANN001, ANN202 - see gates.Around
+        return loop.around(gate, fn, args, kwargs)
+
+    config = spec.trainer
+    logger = RecordingLogger(spec.logger) if spec.logger is not None else None
+    trainer = Trainer(
+        accelerator=config.accelerator,
+        devices=config.devices,
+        num_nodes=config.num_nodes,
+        strategy=DDPStrategy(
+            cluster_environment=TorchElasticEnvironment(),
+            process_group_backend=config.process_group_backend,
+            **config.ddp_kwargs,
+        ),
+        precision=config.precision,
+        callbacks=[GateCallback(around), *worker_callbacks],
+        logger=logger if logger is not None else False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_autolog_hparams=False,
+        **config.flags,
+    )
+    install_hook_gates(module, "module", MODULE_HOOKS, around)
+    if datamodule is not None:
+        install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, around)
+    run = functools.partial(
+        getattr(trainer, spec.fn),
+        module,
+        datamodule=datamodule,
+        ckpt_path=spec.ckpt_path,
+        **loaders,
+        **_STAGE_KWARGS[spec.fn],
+    )
+    loop = StageLoop(trainer, run, rank, StateReader(trainer, rank, logger))
+    return loop

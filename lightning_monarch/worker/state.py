@@ -1,0 +1,70 @@
+"""Reads the state of a worker's Trainer that the controller mirrors.
+
+Runs in each worker, on the loop thread. Rank 0 is the reference rank, as Lightning's rank 0 is
+under DDP: its metrics, logger calls and optimizer hyperparameters are what the controller shows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning.pytorch import Trainer
+
+from lightning_monarch import _compat
+from lightning_monarch.protocol import CheckpointState, WorkerReply
+from lightning_monarch.worker.describe import param_group_hyperparameters, to_cpu
+from lightning_monarch.worker.logger import RecordingLogger
+
+#: The Trainer properties whose values the controller's Trainer shows.
+METRIC_VIEWS = ("callback_metrics", "progress_bar_metrics", "logged_metrics")
+
+
+class StateReader:
+    """Runs in each worker: answers the controller's questions about this rank's Trainer."""
+
+    def __init__(self, trainer: Trainer, rank: int, logger: Optional[RecordingLogger]) -> None:
+        self._trainer = trainer
+        self._rank = rank
+        self._logger = logger
+        self._eval_outputs: list[dict[str, Any]] = []
+        _compat.record_eval_epoch_metrics(trainer, self._eval_outputs.append)
+
+    @property
+    def module(self) -> Any:
+        """This rank's LightningModule."""
+        return self._trainer.lightning_module
+
+    def fill(self, reply: WorkerReply) -> None:
+        """Add what a reply the controller waits on carries besides the hook result (rank 0 only)."""
+        if self._rank != 0:
+            return
+        reply.param_groups = [param_group_hyperparameters(optimizer) for optimizer in self._trainer.optimizers]
+        if self._logger is not None:
+            reply.logger_calls = self._logger.drain()
+        reply.eval_outputs = to_cpu(self._eval_outputs[:])
+        self._eval_outputs.clear()
+        reply.loader_lengths = self.loader_lengths()
+
+    def read_metrics(self, view: str) -> Optional[dict[str, Any]]:
+        """Read a metrics property as a callback on DDP rank 0 would at this point.
+
+        Every rank reads, since computing epoch values with ``sync_dist`` is a collective; the
+        read updates Lightning's stored copy exactly as the same read under DDP would.
+        """
+        if view not in METRIC_VIEWS:
+            raise ValueError(f"Unknown metrics view {view!r}; expected one of {METRIC_VIEWS}.")
+        values = getattr(self._trainer, view)
+        return to_cpu(dict(values)) if self._rank == 0 else None
+
+    def loader_lengths(self) -> dict[str, list[Optional[int]]]:
+        """The lengths of the dataloaders each loop has set up, flattened in Lightning's order."""
+        return _compat.combined_loader_lengths(self._trainer)
+
+    def checkpoint_state(self) -> CheckpointState:
+        """The model, optimizer and LR-scheduler state that a DDP rank 0 would put in a checkpoint."""
+        strategy = self._trainer.strategy
+        return CheckpointState(
+            model=to_cpu(strategy.lightning_module_state_dict()),
+            optimizers=[to_cpu(strategy.optimizer_state(optimizer)) for optimizer in self._trainer.optimizers],
+            lr_schedulers=[to_cpu(config.scheduler.state_dict()) for config in self._trainer.lr_scheduler_configs],
+        )
