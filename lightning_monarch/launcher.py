@@ -122,6 +122,7 @@ class MonarchLauncher(_compat.Launcher):
             fn=stage,
             payload=payload,
             ckpt_path=ckpt_path,
+            fit_loop_state=trainer.fit_loop.state_dict(),
             trainer=TrainerConfig(
                 accelerator=strategy.worker_accelerator,
                 devices=len(strategy.parallel_devices or ()),

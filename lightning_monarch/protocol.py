@@ -196,6 +196,8 @@ class TrainerConfig:
 class StageSpec:
     """Everything a worker needs to run one Trainer stage: sent once per stage.
 
+    ``fit_loop_state`` is the controller's ``trainer.fit_loop.state_dict()``: a Trainer that ran
+    ``fit`` before carries its epoch and step into later stages, and so must each worker's.
     ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks)``; it is
     pickled once on the controller (where a failure is reported before any worker starts) and
     sent as raw bytes, which Monarch moves faster than pickled tensors.
@@ -204,6 +206,7 @@ class StageSpec:
     fn: str
     payload: bytes
     ckpt_path: Optional[str]
+    fit_loop_state: dict[str, Any]
     trainer: TrainerConfig
     logger: Optional["LoggerIdentity"]
     sys_path: tuple[str, ...]

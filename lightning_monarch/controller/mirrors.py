@@ -27,8 +27,12 @@ class OptimizerMirror(torch.optim.Optimizer):
     """
 
     def __init__(self, param_groups: list[dict[str, Any]], closure_runs: Callable[[], int]) -> None:
-        super().__init__([{**group, "params": [torch.zeros(())]} for group in param_groups], defaults={})
+        super().__init__([{**group, "params": [_placeholder()]} for group in param_groups], defaults={})
         self._closure_runs = closure_runs
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The workers zero their gradients; the placeholders keep theirs, so that Lightning's
+        gradient clipping on the controller has something (zero) to clip."""
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         loss = None
@@ -41,6 +45,13 @@ class OptimizerMirror(torch.optim.Optimizer):
         """Take the worker's current hyperparameters (learning rate, momentum...)."""
         for group, values in zip(self.param_groups, param_groups):
             group.update(values)
+
+
+def _placeholder() -> torch.Tensor:
+    """A parameter with a zero gradient: the controller's optimizers hold nothing real."""
+    parameter = torch.zeros(())
+    parameter.grad = torch.zeros(())
+    return parameter
 
 
 class _SchedulerState:

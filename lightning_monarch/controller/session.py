@@ -180,7 +180,10 @@ class StageSession:
         return self._mesh.read_metrics(view)
 
     def checkpoint_state(self) -> CheckpointState:
-        """Rank 0's model, optimizer and scheduler state here; read once per loop position."""
+        """Rank 0's model, optimizer and scheduler state here; read once per loop position. After
+        a training stage, the state it ended with."""
+        if self.final_state is not None:
+            return self.final_state
         if self._state is None or self._state[0] != self._position:
             self._state = (self._position, self._mesh.checkpoint_state())
         return self._state[1]

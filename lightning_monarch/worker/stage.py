@@ -73,6 +73,8 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
         enable_autolog_hparams=False,
         **config.flags,
     )
+    trainer.fit_loop.load_state_dict(spec.fit_loop_state)
+    trainer.fit_loop.restarting = False  # the same Trainer going on, not one resuming from a file
     install_hook_gates(module, "module", MODULE_HOOKS, around)
     if datamodule is not None:
         install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, around)

@@ -1,0 +1,54 @@
+"""Parity: the same seeded runs under Lightning's ``ddp`` and under ``monarch`` give the same results.
+
+Weights, metrics, logged CSV rows, checkpoints and the module's hook order are compared for
+equality: both run the same DDP arithmetic on CPU with gloo, so they must agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import run_ddp_reference
+from tests.parity_cases import CASES, STAGES, comparable_checkpoint, run_case
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return run_ddp_reference(tmp_path_factory.mktemp("ddp"), list(CASES))
+
+
+def assert_same(ours: Any, reference: Any, where: str = "") -> None:
+    """Recursive equality, tensors compared bitwise."""
+    if isinstance(reference, torch.Tensor):
+        assert isinstance(ours, torch.Tensor), where
+        assert ours.dtype == reference.dtype and torch.equal(ours, reference), f"{where}: {ours} != {reference}"
+    elif isinstance(reference, dict):
+        assert set(ours) == set(reference), f"{where}: keys {sorted(ours)} != {sorted(reference)}"
+        for key in reference:
+            assert_same(ours[key], reference[key], f"{where}.{key}")
+    elif isinstance(reference, (list, tuple)):
+        assert len(ours) == len(reference), f"{where}: {len(ours)} != {len(reference)}"
+        for index, (mine, theirs) in enumerate(zip(ours, reference)):
+            assert_same(mine, theirs, f"{where}[{index}]")
+    else:
+        assert ours == reference, f"{where}: {ours!r} != {reference!r}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_results_as_ddp(case: str, ddp_results: Path, tmp_path: Path) -> None:
+    ours = run_case(case, "monarch", tmp_path, STAGES.get(case, ("fit",)))
+    reference = torch.load(ddp_results / case / "results.pt", weights_only=False)
+    assert ours is not None
+    assert_same(ours, reference, case)
+    for name in ("final.ckpt", "checkpoints/last.ckpt"):
+        assert_same(comparable_checkpoint(tmp_path / name), comparable_checkpoint(ddp_results / case / name), name)
+    if case == "hooks":
+        trace, reference_trace = (json.loads((path / "trace.json").read_text()) for path in (tmp_path, ddp_results / case))
+        assert trace == reference_trace
