@@ -1,0 +1,113 @@
+"""Bad input gets an error that names what to change, before any worker process starts."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_monarch import MonarchStrategy, WorkerGPUAccelerator
+from tests.conftest import worker_processes
+from tests.parity_cases import Classifier
+
+
+def _trainer(**kwargs: Any) -> L.Trainer:
+    options = dict(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(**{**options, **kwargs})
+
+
+def _assert_raised_before_spawning(error: pytest.ExceptionInfo) -> None:
+    frames = [frame.name for frame in traceback.extract_tb(error.tb)]
+    assert "spawn" not in frames and "start_stage" not in frames, frames
+    assert not worker_processes()
+
+
+@pytest.mark.parametrize("devices", [0, -3, [0, 1], "two", 1.5])
+def test_devices_must_be_a_positive_int(devices: Any) -> None:
+    with pytest.raises((MisconfigurationException, TypeError, ValueError), match="devices"):
+        _trainer(devices=devices)
+
+
+@pytest.mark.parametrize(
+    ("devices", "match"),
+    [
+        (0, r"devices=0.*not a valid input"),
+        ("auto", r"strategy='monarch', accelerator='gpu', devices='auto'.*devices=8"),
+        ([], r"devices=\[\].*not a valid input"),
+        ([-1], r"strategy='monarch', accelerator='gpu', devices=\[-1\].*positive int"),
+    ],
+)
+def test_gpu_devices_must_be_given_explicitly(devices: Any, match: str) -> None:
+    with pytest.raises(MisconfigurationException, match=match):
+        _trainer(accelerator="gpu", devices=devices)
+
+
+def test_gpu_accelerator_works_on_a_controller_without_gpu() -> None:
+    trainer = _trainer(accelerator="gpu", devices=4)
+    strategy = trainer.strategy
+    assert isinstance(strategy, MonarchStrategy)
+    assert isinstance(trainer.accelerator, WorkerGPUAccelerator)
+    assert strategy.worker_accelerator == "cuda" and strategy.num_workers == 4
+    assert strategy.root_device == torch.device("cpu")
+    assert not torch.cuda.is_initialized()
+
+
+class LockedClassifier(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+def test_unpicklable_module() -> None:
+    with pytest.raises(TypeError, match=r"LightningModule `LockedClassifier` cannot be pickled.*lock") as error:
+        _trainer().fit(LockedClassifier())
+    _assert_raised_before_spawning(error)
+
+
+def test_module_the_workers_cannot_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "hidden_models.py").write_text(
+        "from tests.parity_cases import Classifier\n\nclass HiddenClassifier(Classifier):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import hidden_models
+
+    with pytest.raises(ImportError, match=rf"HiddenClassifier.*hidden_models.*{tmp_path}.*PYTHONPATH") as error:
+        _trainer().fit(hidden_models.HiddenClassifier())
+    _assert_raised_before_spawning(error)
+    sys.modules.pop("hidden_models")
+
+
+def test_missing_checkpoint_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no checkpoint file") as error:
+        _trainer().fit(Classifier(), ckpt_path=str(tmp_path / "missing.ckpt"))
+    _assert_raised_before_spawning(error)
+
+
+class CustomPrecision(Precision):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_nodes": 2}, r"num_nodes=2.*Use `num_nodes=1`"),
+        ({"plugins": [CustomPrecision()]}, r"CustomPrecision.*precision="),
+    ],
+)
+def test_incompatible_trainer_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(MisconfigurationException, match=match):
+        _trainer(**kwargs)
+
+
+def test_unknown_ddp_option() -> None:
+    with pytest.raises(TypeError, match=r"find_unused_parameter'.*DistributedDataParallel"):
+        MonarchStrategy(find_unused_parameter=True)

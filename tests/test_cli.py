@@ -1,0 +1,45 @@
+"""``strategy="monarch"`` and ``MonarchStrategy`` work from a LightningCLI YAML config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_monarch import MonarchStrategy
+from tests.parity_cases import Classifier
+
+pytestmark = pytest.mark.timeout(120)
+
+TRAINER = """
+trainer:
+  accelerator: cpu
+  devices: 2
+  max_epochs: 1
+  limit_train_batches: 2
+  limit_val_batches: 1
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  enable_model_summary: false
+"""
+
+STRATEGIES = {
+    "registered name": "  strategy: monarch\n",
+    "class path": (
+        "  strategy:\n"
+        "    class_path: lightning_monarch.MonarchStrategy\n"
+        "    init_args:\n"
+        "      process_group_backend: gloo\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("form", list(STRATEGIES))
+def test_cli_config(form: str, tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(TRAINER + STRATEGIES[form])
+    cli = LightningCLI(Classifier, args=["fit", "--config", str(config)], save_config_callback=None)
+    assert isinstance(cli.trainer.strategy, MonarchStrategy)
+    assert cli.trainer.global_step == 2

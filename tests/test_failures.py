@@ -1,0 +1,95 @@
+"""A worker's exception reaches the controller with its rank and traceback, Lightning's exception
+handling runs, and no worker process outlives the call (success, exception or KeyboardInterrupt)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import lightning as L
+import pytest
+
+from lightning_monarch import WorkerError
+from tests.conftest import worker_processes
+from tests.parity_cases import Classifier
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FailingClassifier(Classifier):
+    """Raises in ``hook`` on ``rank`` at batch ``batch``."""
+
+    def __init__(self, rank: int, hook: str, batch: int = 1) -> None:
+        super().__init__()
+        self.fail_rank, self.fail_hook, self.fail_batch = rank, hook, batch
+
+    def _maybe_fail(self, hook: str, batch_idx: int) -> None:
+        if hook == self.fail_hook and batch_idx == self.fail_batch and self.trainer.global_rank == self.fail_rank:
+            raise ValueError(f"failing on purpose in {hook}")
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self._maybe_fail("training_step", batch_idx)
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._maybe_fail("validation_step", batch_idx)
+        super().validation_step(batch, batch_idx)
+
+
+class RecordExceptions(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[BaseException] = []
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.seen.append(exception)
+
+
+def _trainer(**kwargs: Any) -> L.Trainer:
+    return L.Trainer(
+        strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=4, limit_val_batches=2,
+        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, **kwargs,
+    )
+
+
+@pytest.mark.parametrize(("hook", "rank"), [("training_step", 1), ("validation_step", 1), ("training_step", 0)])
+def test_worker_exception_names_rank_and_hook(hook: str, rank: int) -> None:
+    recorder = RecordExceptions()
+    trainer = _trainer(callbacks=[recorder])
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=rf"rank {rank} .*`module\.{hook}`.*failing on purpose") as error:
+        trainer.fit(FailingClassifier(rank, hook))
+    assert time.monotonic() - started < 30
+    assert error.value.rank == rank
+    assert "Remote traceback" in str(error.value) and f"in {hook}" in str(error.value)
+    assert recorder.seen == [error.value], "the controller's callbacks saw on_exception"
+    assert trainer.state.status == "interrupted"
+    assert not worker_processes()
+
+
+def test_fit_works_again_after_a_worker_failure() -> None:
+    with pytest.raises(WorkerError):
+        _trainer().fit(FailingClassifier(1, "training_step"))
+    trainer = _trainer()
+    trainer.fit(Classifier())
+    assert trainer.global_step == 4
+
+
+class InterruptOnBatch(L.Callback):
+    """Delivers a real SIGINT to the controller, as Ctrl-C would, during training."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_keyboard_interrupt_leaves_no_worker() -> None:
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):
+            _trainer(callbacks=[InterruptOnBatch()]).fit(Classifier())
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not worker_processes()
