@@ -20,16 +20,23 @@ import types
 from typing import Any, Optional
 
 import cloudpickle
+from lightning.pytorch import Trainer
 
 
 class _ReferenceRecorder(cloudpickle.Pickler):
-    """A cloudpickle pickler that notes every class and function it pickles by reference."""
+    """A cloudpickle pickler that notes every class and function it pickles by reference.
+
+    It leaves the controller's ``Trainer`` behind (a LightningDataModule keeps a reference to it):
+    each worker attaches its own Trainer, as the controller's cannot leave this process.
+    """
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.references: dict[str, str] = {}
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Trainer):
+            return type(None), ()
         reduced = super().reducer_override(obj)
         if reduced is NotImplemented and isinstance(obj, (type, types.FunctionType)):
             module = getattr(obj, "__module__", None)
@@ -58,7 +65,7 @@ def pack_for_workers(objects: dict[str, Any], script_dir: Optional[str]) -> byte
 
 def _raise_if_unpicklable(role: str, obj: Any) -> None:
     try:
-        cloudpickle.dumps(obj)
+        _ReferenceRecorder(io.BytesIO()).dump(obj)
     except Exception as error:
         raise TypeError(
             f"The {role} `{type(obj).__name__}` cannot be pickled, and under strategy='monarch' it travels to"

@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import sys
+import warnings
 
 import cloudpickle
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
@@ -36,12 +38,16 @@ _STAGE_KWARGS = {
 #: Lightning's info messages ("Initializing distributed", "`Trainer.fit` stopped") are the
 #: controller's to print; a worker keeps warnings and errors only.
 _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+#: A worker's Trainer has none of the controller's callbacks on purpose; the controller's own
+#: Trainer restores their state from a checkpoint and warns itself if one is missing.
+_CALLBACKS_MISSING_WARNING = "Be aware that when using `ckpt_path`, callbacks used to create the checkpoint"
 
 
 def build_stage(spec: StageSpec, rank: int) -> StageLoop:
     """Unpack the stage's objects, build this rank's Trainer and return its (not yet started) loop."""
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=re.escape(_CALLBACKS_MISSING_WARNING))
     for path in reversed(spec.sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)
