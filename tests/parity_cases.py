@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import RandomDataset
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
@@ -52,6 +52,7 @@ class Classifier(L.LightningModule):
         loss = nn.functional.cross_entropy(self(x), y)
         self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True)
         self.log("train_loss_synced", loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.log("train_loss_max", loss, on_step=False, on_epoch=True, reduce_fx="max", batch_size=len(x), logger=False)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -121,6 +122,23 @@ class SchedulerClassifier(Classifier):
         optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 2}}
+
+
+class WarmupClassifier(Classifier):
+    """Overrides ``optimizer_step`` (LR warm-up), ``optimizer_zero_grad`` and gradient clipping."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        optimizer.step(closure=optimizer_closure)
+        if self.trainer.global_step < 5:
+            for group in optimizer.param_groups:
+                group["lr"] = self.hparams.lr * (self.trainer.global_step + 1) / 5
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        optimizer.zero_grad(set_to_none=False)
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
 
 
 class TracingClassifier(Classifier):
@@ -198,6 +216,15 @@ def _datamodule() -> dict[str, Any]:
     return {"model": DataModuleClassifier(), "datamodule": ClassificationDataModule(), "trainer": {}}
 
 
+def _custom_step() -> dict[str, Any]:
+    return {"model": WarmupClassifier(), "trainer": {}}
+
+
+def _early_stopping() -> dict[str, Any]:
+    stopping = EarlyStopping(monitor="val_loss", min_delta=0.5, patience=1)
+    return {"model": Classifier(lr=0.02), "trainer": {"max_epochs": 8}, "callbacks": [stopping]}
+
+
 def _hooks(out_dir: Path) -> dict[str, Any]:
     return {"model": TracingClassifier(str(out_dir / "trace.json")), "trainer": {"accumulate_grad_batches": 2}}
 
@@ -208,6 +235,8 @@ CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "accumulate_clip": _accumulate_clip,
     "scheduler": _scheduler,
     "datamodule": _datamodule,
+    "custom_step": _custom_step,
+    "early_stopping": _early_stopping,
     "hooks": _hooks,
 }
 
@@ -225,17 +254,19 @@ def run_case(name: str, strategy: str, out_dir: Path, stages: tuple[str, ...] = 
     L.seed_everything(SEED)
     case = CASES[name](out_dir) if name == "hooks" else CASES[name]()
     model, datamodule = case["model"], case.get("datamodule")
+    callbacks = [
+        ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), monitor="val_loss", save_last=True),
+        LearningRateMonitor(logging_interval="step"),
+        *case.get("callbacks", []),
+    ]
+    options = dict(max_epochs=2, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
-        max_epochs=2,
         logger=CSVLogger(str(out_dir), name="logs", version=0),
-        callbacks=[ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), monitor="val_loss", save_last=True)],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=2,
-        **case["trainer"],
+        callbacks=callbacks,
+        **{**options, **case["trainer"]},
     )
     results: dict[str, Any] = {}
     for stage in stages:

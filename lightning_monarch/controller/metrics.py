@@ -30,9 +30,9 @@ class _MirroredLoggerConnector(_compat.LoggerConnector):
     _monarch_source: MetricsSource
 
     def _mirror(self, view: str, stored: dict[str, Any]) -> dict[str, Any]:
-        values = self._monarch_source.read_metrics(view)
-        stored.clear()
-        stored.update(values)
+        # Update, not replace: controller callbacks write into these dicts too (LearningRateMonitor
+        # adds its learning rates to ``callback_metrics``), as they would into rank 0's under DDP.
+        stored.update(self._monarch_source.read_metrics(view))
         return stored
 
     @property
