@@ -29,72 +29,20 @@ from typing import Any, Optional
 
 from torch.utils._pytree import tree_map
 
-#: Hooks of a ``LightningModule`` that gate (L2). ``on_save_checkpoint`` is absent: the controller
-#: calls it while it writes a checkpoint, which the workers never do, so it runs out of band.
-MODULE_HOOKS: tuple[str, ...] = (
-    "prepare_data",
-    "setup",
-    "teardown",
-    "configure_callbacks",
-    "configure_model",
-    "configure_sharded_model",
-    "configure_optimizers",
-    "train_dataloader",
-    "val_dataloader",
-    "test_dataloader",
-    "predict_dataloader",
-    "on_before_batch_transfer",
-    "transfer_batch_to_device",
-    "on_after_batch_transfer",
-    "on_fit_start",
-    "on_fit_end",
-    "on_train_start",
-    "on_train_end",
-    "on_validation_start",
-    "on_validation_end",
-    "on_test_start",
-    "on_test_end",
-    "on_predict_start",
-    "on_predict_end",
-    "on_train_epoch_start",
-    "on_train_epoch_end",
-    "on_validation_epoch_start",
-    "on_validation_epoch_end",
-    "on_test_epoch_start",
-    "on_test_epoch_end",
-    "on_predict_epoch_start",
-    "on_predict_epoch_end",
-    "on_train_batch_start",
-    "on_train_batch_end",
-    "on_validation_batch_start",
-    "on_validation_batch_end",
-    "on_test_batch_start",
-    "on_test_batch_end",
-    "on_predict_batch_start",
-    "on_predict_batch_end",
-    "on_validation_model_zero_grad",
-    "on_validation_model_eval",
-    "on_validation_model_train",
-    "on_test_model_eval",
-    "on_test_model_train",
-    "on_predict_model_eval",
-    "training_step",
-    "validation_step",
-    "test_step",
-    "predict_step",
-    "on_before_zero_grad",
-    "optimizer_zero_grad",
-    "on_before_backward",
-    "backward",
-    "on_after_backward",
-    "on_before_optimizer_step",
-    "configure_gradient_clipping",
-    "optimizer_step",
-    "lr_scheduler_step",
-    "on_load_checkpoint",
-)
+#: Hooks that both a ``LightningModule`` and a ``Callback`` have (the callback's take the Trainer
+#: and the module first).
+_SHARED_HOOKS: tuple[str, ...] = tuple(
+    f"on_{event}"
+    for stage in ("fit", "train", "validation", "test", "predict")
+    for event in (f"{stage}_start", f"{stage}_end")
+) + tuple(
+    f"on_{stage}_{scope}_{event}"
+    for stage in ("train", "validation", "test", "predict")
+    for scope in ("epoch", "batch")
+    for event in ("start", "end")
+) + ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
 
-#: Hooks of a ``LightningDataModule`` that gate (L2).
+#: Hooks of a ``LightningDataModule`` that gate (L2); a ``LightningModule`` has them too.
 DATAMODULE_HOOKS: tuple[str, ...] = (
     "prepare_data",
     "setup",
@@ -108,44 +56,34 @@ DATAMODULE_HOOKS: tuple[str, ...] = (
     "on_after_batch_transfer",
 )
 
+#: Hooks of a ``LightningModule`` that gate (L2). ``on_save_checkpoint`` is absent: the controller
+#: calls it while it writes a checkpoint, which the workers never do, so it runs out of band.
+MODULE_HOOKS: tuple[str, ...] = DATAMODULE_HOOKS + _SHARED_HOOKS + (
+    "configure_callbacks",
+    "configure_model",
+    "configure_sharded_model",
+    "configure_optimizers",
+    "on_validation_model_zero_grad",
+    "on_validation_model_eval",
+    "on_validation_model_train",
+    "on_test_model_eval",
+    "on_test_model_train",
+    "on_predict_model_eval",
+    "training_step",
+    "validation_step",
+    "test_step",
+    "predict_step",
+    "optimizer_zero_grad",
+    "backward",
+    "configure_gradient_clipping",
+    "optimizer_step",
+    "lr_scheduler_step",
+    "on_load_checkpoint",
+)
+
 #: Callback hooks that gate (L2). Checkpoint hooks and ``on_exception`` are absent: the first run
 #: out of band, the second runs on each side's own failure path.
-CALLBACK_HOOKS: tuple[str, ...] = (
-    "setup",
-    "teardown",
-    "on_fit_start",
-    "on_fit_end",
-    "on_sanity_check_start",
-    "on_sanity_check_end",
-    "on_train_start",
-    "on_train_end",
-    "on_validation_start",
-    "on_validation_end",
-    "on_test_start",
-    "on_test_end",
-    "on_predict_start",
-    "on_predict_end",
-    "on_train_epoch_start",
-    "on_train_epoch_end",
-    "on_validation_epoch_start",
-    "on_validation_epoch_end",
-    "on_test_epoch_start",
-    "on_test_epoch_end",
-    "on_predict_epoch_start",
-    "on_predict_epoch_end",
-    "on_train_batch_start",
-    "on_train_batch_end",
-    "on_validation_batch_start",
-    "on_validation_batch_end",
-    "on_test_batch_start",
-    "on_test_batch_end",
-    "on_predict_batch_start",
-    "on_predict_batch_end",
-    "on_before_backward",
-    "on_after_backward",
-    "on_before_zero_grad",
-    "on_before_optimizer_step",
-)
+CALLBACK_HOOKS: tuple[str, ...] = ("setup", "teardown", "on_sanity_check_start", "on_sanity_check_end") + _SHARED_HOOKS
 
 #: Gates whose worker result the controller uses instead of running Lightning's base
 #: implementation (L5). Every other gate returns the base implementation's value.
