@@ -132,7 +132,10 @@ class MonarchLauncher(_compat.Launcher):
                 flags={**_compat.trainer_flags(trainer), "sync_batchnorm": strategy.sync_batchnorm},
                 ddp_kwargs=strategy.ddp_kwargs,
             ),
-            logger=_logger_identity(trainer),
+            loggers=[
+                LoggerIdentity(name=logger.name, version=logger.version, save_dir=logger.save_dir, log_dir=logger.log_dir)
+                for logger in trainer.loggers
+            ],
             sys_path=(script_dir,) if script_dir else (),
             env={name: os.environ[name] for name in _SEED_ENV if name in os.environ},
         )
@@ -142,13 +145,6 @@ def _script_dir() -> Optional[str]:
     """The folder of the script the user ran: on its ``sys.path``, as it would be under torchrun."""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     return os.path.dirname(os.path.abspath(main_file)) if main_file else None
-
-
-def _logger_identity(trainer: Trainer) -> Optional[LoggerIdentity]:
-    if not trainer.loggers:
-        return None
-    logger = trainer.loggers[0]
-    return LoggerIdentity(name=logger.name, version=logger.version, save_dir=logger.save_dir, log_dir=logger.log_dir)
 
 
 def _skip(gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:

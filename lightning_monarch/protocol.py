@@ -12,7 +12,7 @@ L2. A *gate* is a top-level call of a hook in :data:`MODULE_HOOKS`, :data:`DATAM
 L3. At each gate the controller sends one :class:`Advance`. A worker runs up to that gate, checks
     that it reached the same hook, runs it, and parks right after it. The work between two gates
     (Lightning's own bookkeeping) runs only when the next ``Advance`` arrives, so a worker never
-    acts on controller state (``should_stop``) older than the controller's own decision.
+    acts on control state (:data:`CONTROL_STATE`) older than the controller's own decision.
 L4. Messages to one worker arrive in order. An ``Advance`` that the controller does not wait on is
     a fire-and-forget broadcast; its effects (logged values, logger calls) travel with the next
     reply that the controller waits for.
@@ -112,6 +112,17 @@ RESULT_HOOKS: frozenset[str] = frozenset(
 RANK_LOCAL_HOOKS: frozenset[str] = frozenset({"module.prepare_data", "datamodule.prepare_data"})
 
 
+#: Trainer attributes that steer the loop and that callbacks or module code may change: each
+#: ``Advance`` carries the controller's values and each reply rank 0's (L3). EarlyStopping sets
+#: ``should_stop``; GradientAccumulationScheduler sets ``accumulate_grad_batches``.
+CONTROL_STATE: tuple[str, ...] = ("should_stop", "accumulate_grad_batches")
+
+
+def control_state(trainer: Any) -> dict[str, Any]:
+    """The :data:`CONTROL_STATE` of ``trainer``."""
+    return {name: getattr(trainer, name) for name in CONTROL_STATE}
+
+
 def gate_id(owner: str, hook: str) -> str:
     """The name of a gate on the wire: ``"module.training_step"``, ``"callback.on_fit_start"``."""
     return f"{owner}.{hook}"
@@ -146,14 +157,14 @@ class StageSpec:
     ckpt_path: Optional[str]
     fit_loop_state: dict[str, Any]
     trainer: TrainerConfig
-    logger: Optional["LoggerIdentity"]
+    loggers: list["LoggerIdentity"]
     sys_path: tuple[str, ...]
     env: dict[str, str]
 
 
 @dataclass(frozen=True)
 class LoggerIdentity:
-    """What module code on a worker sees of the controller's first logger (``self.logger.name``)."""
+    """What module code on a worker sees of one of the controller's loggers (``self.logger.name``)."""
 
     name: Optional[str]
     version: Any
@@ -162,11 +173,25 @@ class LoggerIdentity:
 
 
 @dataclass(frozen=True)
+class LoggerCall:
+    """A call rank 0 made on its stand-in for the controller's logger number ``logger_index``.
+
+    ``method`` is ``"log_metrics"``, ``"log_hyperparams"`` or ``"experiment.<name>"`` for module
+    code's ``self.logger.experiment.<name>(...)``.
+    """
+
+    logger_index: int
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Advance:
     """Run up to gate ``hook``, run it, park after it (L3). Carries the controller's control state."""
 
     hook: str
-    should_stop: bool
+    control: dict[str, Any]
     wait: bool
 
 
@@ -256,8 +281,8 @@ class WorkerReply:
     hook: Optional[str] = None
     result: Any = None
     nested: list[tuple[str, Any]] = field(default_factory=list)
-    should_stop: bool = False
-    logger_calls: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
+    control: dict[str, Any] = field(default_factory=dict)
+    logger_calls: list[LoggerCall] = field(default_factory=list)
     param_groups: Optional[list[list[dict[str, Any]]]] = None
     eval_outputs: list[dict[str, Any]] = field(default_factory=list)
     loader_lengths: Optional[dict[str, list[Optional[int]]]] = None

@@ -31,6 +31,7 @@ from lightning_monarch.protocol import (
     Finish,
     Peek,
     WorkerReply,
+    control_state,
 )
 
 _BASES = {"module": LightningModule, "datamodule": LightningDataModule}
@@ -84,7 +85,7 @@ class StageSession:
         base = getattr(_BASES[owner], hook).__get__(self._objects[owner]) if owner in _BASES else fn
         if self._replay is not None:
             return self._nested(gate, base, args, kwargs)
-        replies = self._advance(Advance(gate, self._trainer.should_stop, self._must_wait(gate)))
+        replies = self._advance(Advance(gate, control_state(self._trainer), self._must_wait(gate)))
         if gate in RESULT_HOOKS:
             assert replies is not None
             return self._result(gate, replies)
@@ -152,10 +153,13 @@ class StageSession:
 
     def _apply(self, reply: WorkerReply) -> None:
         trainer = self._trainer
-        trainer.should_stop = reply.should_stop
-        for method, args in reply.logger_calls:
-            for logger in trainer.loggers:
-                getattr(logger, method)(*args)
+        for name, value in reply.control.items():
+            setattr(trainer, name, value)
+        for call in reply.logger_calls:
+            logger = trainer.loggers[call.logger_index]
+            target = logger.experiment if call.method.startswith("experiment.") else logger
+            getattr(target, call.method.rsplit(".", 1)[-1])(*call.args, **call.kwargs)
+            if call.method == "log_metrics":
                 logger.save()
         for mirror, groups in zip(trainer.optimizers, reply.param_groups or ()):
             mirror.update_hyperparameters(groups)

@@ -24,6 +24,7 @@ from lightning_monarch.protocol import (
     Peek,
     WorkerFailure,
     WorkerReply,
+    control_state,
 )
 from lightning_monarch.worker.describe import describe_result, worker_side_result
 from lightning_monarch.worker.state import StateReader
@@ -177,7 +178,8 @@ class StageLoop:
     def _accept(self, command: Command) -> None:
         self._command = command
         if isinstance(command, Advance):
-            self._trainer.should_stop = command.should_stop
+            for name, value in command.control.items():
+                setattr(self._trainer, name, value)
 
     def _main(self, first: Command) -> None:
         self._accept(first)
@@ -201,7 +203,7 @@ class StageLoop:
         return self._ended
 
     def _reply(self, gate: Optional[str], full: bool) -> WorkerReply:
-        reply = WorkerReply(rank=self._rank, hook=gate, should_stop=self._trainer.should_stop)
+        reply = WorkerReply(rank=self._rank, hook=gate, control=control_state(self._trainer))
         if full:
             self._reader.fill(reply)
         return reply

@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS, StageSpec
-from lightning_monarch.worker.logger import RecordingLogger
+from lightning_monarch.worker.logger import recording_loggers
 from lightning_monarch.worker.loop import StageLoop
 from lightning_monarch.worker.state import StateReader
 
@@ -60,7 +60,7 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
         return loop.around(gate, fn, args, kwargs)
 
     config = spec.trainer
-    logger = RecordingLogger(spec.logger) if spec.logger is not None else None
+    loggers, logger_calls = recording_loggers(spec.loggers)
     trainer = Trainer(
         accelerator=config.accelerator,
         devices=config.devices,
@@ -72,7 +72,7 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
         ),
         precision=config.precision,
         callbacks=[GateCallback(around), *worker_callbacks],
-        logger=logger if logger is not None else False,
+        logger=loggers or False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -92,5 +92,5 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
         **loaders,
         **_STAGE_KWARGS[spec.fn],
     )
-    loop = StageLoop(trainer, run, rank, StateReader(trainer, rank, logger))
+    loop = StageLoop(trainer, run, rank, StateReader(trainer, rank, logger_calls))
     return loop

@@ -11,9 +11,8 @@ from typing import Any, Optional
 from lightning.pytorch import Trainer
 
 from lightning_monarch import _compat
-from lightning_monarch.protocol import CheckpointState, WorkerReply
+from lightning_monarch.protocol import CheckpointState, LoggerCall, WorkerReply
 from lightning_monarch.worker.describe import param_group_hyperparameters, to_cpu
-from lightning_monarch.worker.logger import RecordingLogger
 
 #: The Trainer properties whose values the controller's Trainer shows.
 METRIC_VIEWS = ("callback_metrics", "progress_bar_metrics", "logged_metrics")
@@ -22,10 +21,10 @@ METRIC_VIEWS = ("callback_metrics", "progress_bar_metrics", "logged_metrics")
 class StateReader:
     """Runs in each worker: answers the controller's questions about this rank's Trainer."""
 
-    def __init__(self, trainer: Trainer, rank: int, logger: Optional[RecordingLogger]) -> None:
+    def __init__(self, trainer: Trainer, rank: int, logger_calls: list[LoggerCall]) -> None:
         self._trainer = trainer
         self._rank = rank
-        self._logger = logger
+        self._logger_calls = logger_calls
         self._eval_outputs: list[dict[str, Any]] = []
         _compat.record_eval_epoch_metrics(trainer, self._eval_outputs.append)
 
@@ -39,8 +38,8 @@ class StateReader:
         if self._rank != 0:
             return
         reply.param_groups = [param_group_hyperparameters(optimizer) for optimizer in self._trainer.optimizers]
-        if self._logger is not None:
-            reply.logger_calls = self._logger.drain()
+        reply.logger_calls = self._logger_calls[:]
+        self._logger_calls.clear()
         reply.eval_outputs = to_cpu(self._eval_outputs[:])
         self._eval_outputs.clear()
         reply.loader_lengths = self.loader_lengths()
