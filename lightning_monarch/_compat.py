@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 from lightning.fabric.utilities.data import has_len
 from lightning.pytorch import Trainer
+from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
@@ -21,7 +22,9 @@ __all__ = [
     "LR_SCHEDULER_TYPES",
     "Launcher",
     "LoggerConnector",
+    "carry_fit_progress",
     "combined_loader_lengths",
+    "manual_step_progress",
     "predict_batch_indices",
     "record_eval_epoch_metrics",
     "resolve_ckpt_path",
@@ -72,6 +75,28 @@ def trainer_flags(trainer: Trainer) -> dict[str, Any]:
         detect_anomaly=trainer._detect_anomaly,
     )
     return flags
+
+
+def carry_fit_progress(trainer: Trainer, state: dict[str, Any]) -> None:
+    """Give ``trainer``'s fit loop the progress in ``state`` (another fit loop's ``state_dict()``).
+
+    Unlike ``load_state_dict``, this does not mark the loops as restarting: the worker's Trainer
+    goes on where the controller's Trainer is, as the same Trainer object would under DDP.
+    """
+
+    def carry(loop: _Loop, prefix: str) -> None:
+        loop._load_from_state_dict(state.copy(), prefix)
+        for name, child in vars(loop).items():
+            if isinstance(child, _Loop):
+                carry(child, f"{prefix}{name}.")
+
+    carry(trainer.fit_loop, "")
+
+
+def manual_step_progress(trainer: Trainer) -> Any:
+    """The progress counter that ``optimizer.step()`` calls in manual optimization advance; the
+    Trainer's ``global_step`` under manual optimization."""
+    return trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
 
 
 def resolve_ckpt_path(trainer: Trainer, fn: TrainerFn, ckpt_path: Any, model_provided: bool) -> Optional[str]:

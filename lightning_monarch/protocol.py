@@ -272,8 +272,9 @@ class WorkerFailure:
 class WorkerReply:
     """A worker's answer to an :class:`Advance`, :class:`Peek` or :class:`Finish`.
 
-    Rank 0 fills the state fields (logger calls, optimizer hyperparameters, the values that
-    ``update_eval_epoch_metrics`` returned, loader lengths) in every reply the controller waits on;
+    Rank 0 fills the state fields (logger calls, optimizer hyperparameters, manual optimization's
+    step count, the values that ``update_eval_epoch_metrics`` returned, loader lengths) in every
+    reply the controller waits on;
     other ranks send only what is per-rank (the ``result`` of ``predict_step``, a failure).
     """
 
@@ -284,6 +285,7 @@ class WorkerReply:
     control: dict[str, Any] = field(default_factory=dict)
     logger_calls: list[LoggerCall] = field(default_factory=list)
     param_groups: Optional[list[list[dict[str, Any]]]] = None
+    manual_steps: Optional[dict[str, Any]] = None
     eval_outputs: list[dict[str, Any]] = field(default_factory=list)
     loader_lengths: Optional[dict[str, list[Optional[int]]]] = None
     skipped: bool = False

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from tests.parity_cases import STAGES, run_case
+from tests.parity_cases import run_case
 
 if __name__ == "__main__":
     out_dir = Path(sys.argv[1])
     for name in sys.argv[2:]:
-        results = run_case(name, "ddp", out_dir / name, STAGES.get(name, ("fit",)))
+        results = run_case(name, "ddp", out_dir / name)
         if results is not None:
             torch.save(results, out_dir / name / "results.pt")

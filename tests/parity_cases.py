@@ -7,278 +7,128 @@ one recipe both strategies follow; only the ``strategy`` string differs.
 
 from __future__ import annotations
 
-import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.demos.boring_classes import RandomDataset
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from lightning.pytorch.strategies import DDPStrategy
+
+from lightning_monarch import MonarchStrategy
+from tests import compat_models as compat
+from tests import models
 
 SEED = 1234
 
-#: Every LightningModule hook whose order the parity test compares.
-TRACED_HOOKS = (
-    "setup", "configure_model", "configure_optimizers", "on_fit_start", "on_train_start",
-    "on_train_epoch_start", "on_train_batch_start", "on_before_batch_transfer", "transfer_batch_to_device",
-    "on_after_batch_transfer", "training_step", "on_before_zero_grad", "optimizer_zero_grad",
-    "on_before_backward", "backward", "on_after_backward", "on_before_optimizer_step",
-    "configure_gradient_clipping", "optimizer_step", "on_train_batch_end", "on_train_epoch_end",
-    "on_validation_start", "on_validation_epoch_start", "on_validation_batch_start", "validation_step",
-    "on_validation_batch_end", "on_validation_epoch_end", "on_validation_end", "on_validation_model_eval",
-    "on_validation_model_train", "on_validation_model_zero_grad", "lr_scheduler_step", "on_train_end",
-    "on_fit_end", "teardown", "on_save_checkpoint", "train_dataloader", "val_dataloader",
-)
 
-
-class Classifier(L.LightningModule):
-    """A small MLP classifier on random features, logging like a real project does."""
-
-    def __init__(self, in_features: int = 16, classes: int = 4, lr: float = 0.1) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(in_features, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, classes))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
-        self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True)
-        self.log("train_loss_synced", loss, on_step=False, on_epoch=True, sync_dist=True)
-        self.log("train_loss_max", loss, on_step=False, on_epoch=True, reduce_fx="max", batch_size=len(x), logger=False)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
-        self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True, prog_bar=True)
-        self.log_dict({"val_acc": (logits.argmax(-1) == y).float().mean()}, sync_dist=True)
-
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("test_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
-
-    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
-        return self(batch[0]).argmax(-1)
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
-
-    def _loader(self, size: int, shuffle: bool) -> DataLoader:
-        return DataLoader(ClassificationData(size), batch_size=8, shuffle=shuffle)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(96, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(40, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(40, shuffle=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader(36, shuffle=False)
-
-
-class ClassificationData(TensorDataset):
-    """Seeded random features with a learnable label."""
-
-    def __init__(self, size: int) -> None:
-        generator = torch.Generator().manual_seed(size)
-        x = torch.randn(size, 16, generator=generator)
-        super().__init__(x, (x[:, :4].argmax(-1)))
-
-
-class EpochEndClassifier(Classifier):
-    """Aggregates validation outputs by hand in ``on_validation_epoch_end``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.outputs: list[torch.Tensor] = []
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        super().validation_step(batch, batch_idx)
-        x, y = batch
-        self.outputs.append((self(x).argmax(-1) == y).float())
-
-    def on_validation_epoch_end(self) -> None:
-        accuracy = torch.cat(self.outputs).mean()
-        self.log("val_epoch_acc", accuracy, sync_dist=True)
-        self.log("val_epoch_acc_rank0", accuracy, rank_zero_only=True)
-        self.outputs.clear()
-
-
-class SchedulerClassifier(Classifier):
-    """A step-interval LR scheduler with a frequency, and Adam."""
-
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 2}}
-
-
-class WarmupClassifier(Classifier):
-    """Overrides ``optimizer_step`` (LR warm-up), ``optimizer_zero_grad`` and gradient clipping."""
-
-    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        optimizer.step(closure=optimizer_closure)
-        if self.trainer.global_step < 5:
-            for group in optimizer.param_groups:
-                group["lr"] = self.hparams.lr * (self.trainer.global_step + 1) / 5
-
-    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
-        optimizer.zero_grad(set_to_none=False)
-
-    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
-                                    gradient_clip_algorithm: Any = None) -> None:
-        self.clip_gradients(optimizer, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
-
-
-class TracingClassifier(Classifier):
-    """Records the order of its hooks on global rank 0 into a JSON file."""
-
-    def __init__(self, trace_path: str) -> None:
-        super().__init__()
-        self.trace_path = trace_path
-        self.trace: list[str] = []
-
-    def on_fit_end(self) -> None:
-        self.trace.append("on_fit_end")
-        if self.trainer.is_global_zero:
-            Path(self.trace_path).write_text(json.dumps(self.trace))
-
-
-def _traced(name: str) -> Callable[..., Any]:
-    parent = getattr(Classifier, name, None) or getattr(L.LightningModule, name)
-
-    def hook(self: TracingClassifier, *args: Any, **kwargs: Any) -> Any:
-        self.trace.append(name)
-        return parent(self, *args, **kwargs)
-
-    hook.__name__ = name
-    return hook
-
-
-for _name in TRACED_HOOKS:
-    if _name != "on_fit_end":
-        setattr(TracingClassifier, _name, _traced(_name))
-
-
-class ClassificationDataModule(L.LightningDataModule):
-    """The same data through a LightningDataModule, with ``setup`` building the splits."""
-
-    def __init__(self, batch_size: int = 8) -> None:
-        super().__init__()
-        self.batch_size = batch_size
-
-    def setup(self, stage: str) -> None:
-        self.train_set = ClassificationData(96)
-        self.val_set = ClassificationData(40)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size)
-
-
-class DataModuleClassifier(Classifier):
-    """A classifier that takes its data from a LightningDataModule."""
-
-    train_dataloader = None  # type: ignore[assignment]
-    val_dataloader = None  # type: ignore[assignment]
-
-
-def _plain() -> dict[str, Any]:
-    return {"model": Classifier(), "trainer": {}}
-
-
-def _epoch_end() -> dict[str, Any]:
-    return {"model": EpochEndClassifier(), "trainer": {}}
-
-
-def _accumulate_clip() -> dict[str, Any]:
-    return {"model": Classifier(), "trainer": {"accumulate_grad_batches": 3, "gradient_clip_val": 0.05}}
-
-
-def _scheduler() -> dict[str, Any]:
-    return {"model": SchedulerClassifier(), "trainer": {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}}
-
-
-def _datamodule() -> dict[str, Any]:
-    return {"model": DataModuleClassifier(), "datamodule": ClassificationDataModule(), "trainer": {}}
-
-
-def _custom_step() -> dict[str, Any]:
-    return {"model": WarmupClassifier(), "trainer": {}}
-
-
-def _early_stopping() -> dict[str, Any]:
-    stopping = EarlyStopping(monitor="val_loss", min_delta=0.5, patience=1)
-    return {"model": Classifier(lr=0.02), "trainer": {"max_epochs": 8}, "callbacks": [stopping]}
-
-
-def _hooks(out_dir: Path) -> dict[str, Any]:
-    return {"model": TracingClassifier(str(out_dir / "trace.json")), "trainer": {"accumulate_grad_batches": 2}}
-
-
-CASES: dict[str, Callable[..., dict[str, Any]]] = {
-    "plain": _plain,
-    "epoch_end": _epoch_end,
-    "accumulate_clip": _accumulate_clip,
-    "scheduler": _scheduler,
-    "datamodule": _datamodule,
-    "custom_step": _custom_step,
-    "early_stopping": _early_stopping,
-    "hooks": _hooks,
+@dataclass
+class Case:
+    """One parity run: what to train and how; ``run_case`` adds the shared Trainer arguments."""
+
+    model: L.LightningModule
+    trainer: dict[str, Any] = field(default_factory=dict)
+    callbacks: list[L.Callback] = field(default_factory=list)
+    datamodule: Optional[L.LightningDataModule] = None
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    stages: tuple[str, ...] = ("fit",)
+
+
+CASES: dict[str, Callable[[Path], Case]] = {
+    # the core issue: the shapes every project has
+    "plain": lambda out: Case(models.Classifier(), stages=("fit", "validate", "test")),
+    "epoch_end": lambda out: Case(models.EpochEndClassifier()),
+    "accumulate_clip": lambda out: Case(models.Classifier(), {"accumulate_grad_batches": 3, "gradient_clip_val": 0.05}),
+    "scheduler": lambda out: Case(
+        models.SchedulerClassifier(), {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"}
+    ),
+    "datamodule": lambda out: Case(models.DataModuleClassifier(), datamodule=models.ClassificationDataModule()),
+    "custom_step": lambda out: Case(models.WarmupClassifier()),
+    "early_stopping": lambda out: Case(
+        models.Classifier(lr=0.02), {"max_epochs": 8}, [EarlyStopping(monitor="val_loss", min_delta=0.5, patience=1)]
+    ),
+    "hooks": lambda out: Case(_tracing(out / "trace.json"), {"accumulate_grad_batches": 2}),
+    # drop-in compatibility: the wider Lightning surface
+    "manual_gan": lambda out: Case(compat.ManualGAN(), strategy_options={"find_unused_parameters": True}),
+    "plateau": lambda out: Case(compat.PlateauClassifier(), {"max_epochs": 4}),
+    "one_cycle": lambda out: Case(compat.OneCycleClassifier()),
+    "torchmetrics": lambda out: Case(compat.MetricsClassifier()),
+    "trainer_access": lambda out: Case(compat.TrainerAwareClassifier()),
+    "module_logging": lambda out: Case(compat.LoggingClassifier()),
+    "bf16_mixed": lambda out: Case(models.Classifier(), {"precision": "bf16-mixed"}),
+    "double": lambda out: Case(models.Classifier(), {"precision": "64-true"}),
+    "resume": lambda out: Case(compat.CheckpointHooksClassifier(), {"max_epochs": 1}, stages=("fit", "resume")),
+    "fit_again": lambda out: Case(models.Classifier(), {"max_epochs": 1}, stages=("fit", "fit_more", "test_best")),
+    "loop_flags": lambda out: Case(
+        compat.TwoValLoaderClassifier(),
+        {"limit_train_batches": 5, "val_check_interval": 2, "num_sanity_val_steps": 1, "max_steps": 9,
+         "limit_val_batches": 3},
+    ),
 }
 
 
-#: The Trainer calls each case makes, in order (``fit`` alone where absent).
-STAGES: dict[str, tuple[str, ...]] = {"plain": ("fit", "validate", "test")}
+def _tracing(path: Path) -> models.TracingClassifier:
+    model = models.TracingClassifier()
+    model.trace_path = str(path)
+    return model
 
 
-def run_case(name: str, strategy: str, out_dir: Path, stages: tuple[str, ...] = ("fit",)) -> Optional[dict[str, Any]]:
-    """Train case ``name`` with ``strategy`` on 2 CPU devices; return what the parity tests compare.
+def _strategy(name: str, options: dict[str, Any]) -> Any:
+    if not options:
+        return name
+    return {"ddp": DDPStrategy, "monarch": MonarchStrategy}[name](**options)
+
+
+def _trainer(strategy: str, out_dir: Path, case: Case, **overrides: Any) -> L.Trainer:
+    callbacks = [
+        ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), monitor="val_loss", save_last=True),
+        LearningRateMonitor(logging_interval="step"),
+        *case.callbacks,
+    ]
+    options = dict(max_epochs=2, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2)
+    return L.Trainer(
+        strategy=_strategy(strategy, case.strategy_options),
+        accelerator="cpu",
+        devices=2,
+        logger=CSVLogger(str(out_dir), name="logs", version=0),
+        callbacks=callbacks,
+        **{**options, **case.trainer, **overrides},
+    )
+
+
+def run_case(name: str, strategy: str, out_dir: Path) -> Optional[dict[str, Any]]:
+    """Run case ``name`` with ``strategy`` on 2 CPU devices; return what the parity tests compare.
 
     Returns ``None`` on the non-zero ranks of ``ddp``.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(SEED)
-    case = CASES[name](out_dir) if name == "hooks" else CASES[name]()
-    model, datamodule = case["model"], case.get("datamodule")
-    callbacks = [
-        ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), monitor="val_loss", save_last=True),
-        LearningRateMonitor(logging_interval="step"),
-        *case.get("callbacks", []),
-    ]
-    options = dict(max_epochs=2, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        logger=CSVLogger(str(out_dir), name="logs", version=0),
-        callbacks=callbacks,
-        **{**options, **case["trainer"]},
-    )
+    case = CASES[name](out_dir)
+    model, datamodule = case.model, case.datamodule
+    trainer = _trainer(strategy, out_dir, case)
     results: dict[str, Any] = {}
-    for stage in stages:
+    for stage in case.stages:
         if stage == "fit":
             trainer.fit(model, datamodule=datamodule)
             trainer.save_checkpoint(str(out_dir / "final.ckpt"))
-        elif stage == "predict":
-            results["predict"] = trainer.predict(model)
+        elif stage == "fit_more":
+            trainer.fit_loop.max_epochs += 1
+            trainer.fit(model, datamodule=datamodule)
+        elif stage == "test_best":
+            results["test_best"] = trainer.test(datamodule=datamodule, ckpt_path="best", verbose=False)
+        elif stage == "resume":
+            L.seed_everything(SEED)
+            model = CASES[name](out_dir).model
+            trainer = _trainer(strategy, out_dir, case, max_epochs=case.trainer["max_epochs"] + 1)
+            trainer.fit(model, datamodule=datamodule, ckpt_path=str(out_dir / "checkpoints" / "last.ckpt"))
         else:
             results[stage] = getattr(trainer, stage)(model, datamodule=datamodule, verbose=False)
     if not trainer.is_global_zero:
         return None
+    logs = out_dir / "logs" / "version_0"
     results.update(
         weights={key: value.detach().cpu() for key, value in model.state_dict().items()},
         callback_metrics=_floats(trainer.callback_metrics),
@@ -286,12 +136,9 @@ def run_case(name: str, strategy: str, out_dir: Path, stages: tuple[str, ...] = 
         progress_bar_metrics=dict(trainer.progress_bar_metrics),
         global_step=trainer.global_step,
         current_epoch=trainer.current_epoch,
-        best_model_score=_floats({"best": trainer.checkpoint_callback.best_model_score})["best"]
-        if trainer.checkpoint_callback.best_model_score is not None
-        else None,
-        csv=(out_dir / "logs" / "version_0" / "metrics.csv").read_text()
-        if (out_dir / "logs" / "version_0" / "metrics.csv").exists()
-        else None,
+        best_model_score=_floats({"best": trainer.checkpoint_callback.best_model_score}).get("best"),
+        csv=(logs / "metrics.csv").read_text() if (logs / "metrics.csv").exists() else None,
+        hparams=(logs / "hparams.yaml").read_text() if (logs / "hparams.yaml").exists() else None,
     )
     return results
 
@@ -306,7 +153,6 @@ def comparable_checkpoint(path: Path) -> dict[str, Any]:
     for state in checkpoint.get("callbacks", {}).values():
         for key in ("dirpath", "best_model_path", "last_model_path", "kth_best_model_path", "best_k_models"):
             state.pop(key, None)
-    checkpoint.pop("hyper_parameters", None)
     return checkpoint
 
 

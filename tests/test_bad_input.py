@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch import MonarchStrategy, WorkerGPUAccelerator
 from tests.conftest import worker_processes
-from tests.parity_cases import Classifier
+from tests.models import Classifier
 
 
 def _trainer(**kwargs: Any) -> L.Trainer:
@@ -75,7 +75,7 @@ def test_unpicklable_module() -> None:
 
 def test_module_the_workers_cannot_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "hidden_models.py").write_text(
-        "from tests.parity_cases import Classifier\n\nclass HiddenClassifier(Classifier):\n    pass\n"
+        "from tests.models import Classifier\n\nclass HiddenClassifier(Classifier):\n    pass\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     import hidden_models

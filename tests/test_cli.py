@@ -8,7 +8,7 @@ import pytest
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_monarch import MonarchStrategy
-from tests.parity_cases import Classifier
+from tests.models import Classifier
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,7 +13,7 @@ import pytest
 
 from lightning_monarch import WorkerError
 from tests.conftest import worker_processes
-from tests.parity_cases import Classifier
+from tests.models import Classifier
 
 pytestmark = pytest.mark.timeout(120)
 

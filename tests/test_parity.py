@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import run_ddp_reference
-from tests.parity_cases import CASES, STAGES, comparable_checkpoint, run_case
+from tests.parity_cases import CASES, comparable_checkpoint, run_case
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -43,7 +43,7 @@ def assert_same(ours: Any, reference: Any, where: str = "") -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_results_as_ddp(case: str, ddp_results: Path, tmp_path: Path) -> None:
-    ours = run_case(case, "monarch", tmp_path, STAGES.get(case, ("fit",)))
+    ours = run_case(case, "monarch", tmp_path)
     reference = torch.load(ddp_results / case / "results.pt", weights_only=False)
     assert ours is not None
     assert_same(ours, reference, case)

@@ -6,7 +6,8 @@ import lightning as L
 import pytest
 import torch
 
-from tests.parity_cases import SEED, Classifier
+from tests.models import Classifier
+from tests.parity_cases import SEED
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -102,6 +102,10 @@ class WorkerMesh:
         """Rank 0's model, optimizer and LR-scheduler state at the point the loop has reached."""
         return self._check(self._rank0.checkpoint_state.call_one().get())
 
+    def module_attributes(self) -> dict[str, Any]:
+        """Rank 0's module's public Python attributes."""
+        return self._check(self._rank0.module_attributes.call_one().get())
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Run the module's ``on_save_checkpoint`` on rank 0 and return the checkpoint it edited."""
         return self._check(self._rank0.on_save_checkpoint.call_one(checkpoint).get())

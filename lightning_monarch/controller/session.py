@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_monarch import _compat
 from lightning_monarch.controller.metrics import mirror_metrics
 from lightning_monarch.controller.mesh import WorkerMesh
 from lightning_monarch.controller.mirrors import LoaderLengths, optimizer_mirrors, plan_loaders
@@ -52,6 +53,10 @@ class StageSession:
         self._gate_callback = GateCallback(self.around)
         self._wait: dict[str, bool] = {}
         self._replay: Optional[deque[tuple[str, Any]]] = None
+        # Results of hooks the workers ran inside another hook, for the controller to take when its
+        # own loop calls that hook later (``estimated_stepping_batches`` in ``configure_optimizers``
+        # makes a worker build its train dataloader early).
+        self._ahead: dict[str, deque[Any]] = {}
         self._eval_outputs: deque[dict[str, Any]] = deque()
         self._position = 0
         self._state: Optional[tuple[int, CheckpointState]] = None
@@ -85,14 +90,18 @@ class StageSession:
         base = getattr(_BASES[owner], hook).__get__(self._objects[owner]) if owner in _BASES else fn
         if self._replay is not None:
             return self._nested(gate, base, args, kwargs)
+        if self._ahead.get(gate):
+            return self._materialize(gate, self._ahead[gate].popleft())
         replies = self._advance(Advance(gate, control_state(self._trainer), self._must_wait(gate)))
-        if gate in RESULT_HOOKS:
-            assert replies is not None
-            return self._result(gate, replies)
         self._replay = deque(replies[0].nested if replies else ())
         try:
+            if gate in RESULT_HOOKS:
+                assert replies is not None
+                return self._result(gate, replies)
             return base(*args, **kwargs)
         finally:
+            for nested_gate, value in self._replay:
+                self._ahead.setdefault(nested_gate, deque()).append(value)
             self._replay = None
 
     def _nested(self, gate: str, base: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -163,6 +172,8 @@ class StageSession:
                 logger.save()
         for mirror, groups in zip(trainer.optimizers, reply.param_groups or ()):
             mirror.update_hyperparameters(groups)
+        if reply.manual_steps is not None:
+            _compat.manual_step_progress(trainer).load_state_dict(reply.manual_steps)
         self._eval_outputs.extend(reply.eval_outputs)
 
     def peek(self) -> dict[str, list[Optional[int]]]:
@@ -199,14 +210,16 @@ class StageSession:
         checkpoint.update(edited)
 
     def finish(self, trained: bool) -> None:
-        """Let the workers finish the stage and take their final metrics; after training, also their
-        final state, which the controller's module then holds."""
+        """Let the workers finish the stage; take their final metrics and rank 0's module attributes,
+        and after training their final state, which the controller's module then holds."""
         self._advance(Finish())
         for view in ("callback_metrics", "progress_bar_metrics", "logged_metrics"):
             getattr(self._trainer, view)
+        module = self._objects["module"]
+        vars(module).update(self._mesh.module_attributes())
         if trained:
             self.final_state = self._mesh.checkpoint_state()
-            self._objects["module"].load_state_dict(self.final_state.model)
+            module.load_state_dict(self.final_state.model)
 
 
 def _trainable(output: Any) -> Any:

@@ -65,6 +65,11 @@ class MonarchWorker(Actor):
         return self._out_of_band(lambda reader: reader.checkpoint_state(), "checkpoint state")
 
     @endpoint
+    def module_attributes(self) -> Union[dict[str, Any], WorkerFailure]:
+        """The public Python attributes of this rank's module (see ``StateReader``)."""
+        return self._out_of_band(lambda reader: reader.module_attributes(), "module attributes")
+
+    @endpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> Union[dict[str, Any], WorkerFailure]:
         """Run the module's ``on_save_checkpoint`` on the checkpoint the controller is writing."""
 

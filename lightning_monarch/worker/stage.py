@@ -20,6 +20,7 @@ from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
+from lightning_monarch import _compat
 from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS, StageSpec
 from lightning_monarch.worker.logger import recording_loggers
@@ -79,8 +80,7 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
         enable_autolog_hparams=False,
         **config.flags,
     )
-    trainer.fit_loop.load_state_dict(spec.fit_loop_state)
-    trainer.fit_loop.restarting = False  # the same Trainer going on, not one resuming from a file
+    _compat.carry_fit_progress(trainer, spec.fit_loop_state)
     install_hook_gates(module, "module", MODULE_HOOKS, around)
     if datamodule is not None:
         install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, around)

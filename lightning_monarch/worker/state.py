@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import cloudpickle
 from lightning.pytorch import Trainer
 
 from lightning_monarch import _compat
@@ -38,6 +39,7 @@ class StateReader:
         if self._rank != 0:
             return
         reply.param_groups = [param_group_hyperparameters(optimizer) for optimizer in self._trainer.optimizers]
+        reply.manual_steps = _compat.manual_step_progress(self._trainer).state_dict()
         reply.logger_calls = self._logger_calls[:]
         self._logger_calls.clear()
         reply.eval_outputs = to_cpu(self._eval_outputs[:])
@@ -58,6 +60,21 @@ class StateReader:
     def loader_lengths(self) -> dict[str, list[Optional[int]]]:
         """The lengths of the dataloaders each loop has set up, flattened in Lightning's order."""
         return _compat.combined_loader_lengths(self._trainer)
+
+    def module_attributes(self) -> dict[str, Any]:
+        """The module's public Python attributes (counters, lists, tensors that are not buffers)
+        that can travel: after a stage, the controller's module takes rank 0's, as the module in a
+        DDP script's rank 0 would have them."""
+        attributes = {}
+        for name, value in vars(self.module).items():
+            if name.startswith("_") or name == "training":
+                continue
+            try:
+                cloudpickle.dumps(value)
+            except Exception:  # created on the worker and bound to it (a file, a lock): stays there
+                continue
+            attributes[name] = to_cpu(value)
+        return attributes
 
     def checkpoint_state(self) -> CheckpointState:
         """The model, optimizer and LR-scheduler state that a DDP rank 0 would put in a checkpoint."""

@@ -1,0 +1,193 @@
+"""LightningModules that exercise the wider Lightning surface: manual optimization, every
+``configure_optimizers`` form, torchmetrics, module code that reads the trainer or writes to the
+logger, and checkpoint hooks. Importable by the workers and by the ``ddp`` reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader
+
+from tests.models import ClassificationData, Classifier
+
+
+class ManualGAN(L.LightningModule):
+    """Two optimizers stepped by hand in one ``training_step``, with toggling, hand-written
+    gradient accumulation for the discriminator and schedulers stepped by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.discriminator = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        g_opt, d_opt = self.optimizers()
+        real = batch[0]
+        noise = torch.randn(len(real), 8, device=self.device)
+        bce = nn.functional.binary_cross_entropy_with_logits
+
+        self.toggle_optimizer(d_opt)
+        fake = self.generator(noise).detach()
+        ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+        d_loss = (bce(self.discriminator(real), ones) + bce(self.discriminator(fake), zeros)) / 2
+        self.manual_backward(d_loss / 2)
+        if (batch_idx + 1) % 2 == 0:
+            d_opt.step()
+            d_opt.zero_grad()
+        self.untoggle_optimizer(d_opt)
+
+        self.toggle_optimizer(g_opt)
+        g_loss = bce(self.discriminator(self.generator(noise)), ones)
+        self.manual_backward(g_loss)
+        g_opt.step()
+        g_opt.zero_grad()
+        self.untoggle_optimizer(g_opt)
+        self.log_dict({"d_loss": d_loss, "g_loss": g_loss}, prog_bar=True)
+
+    def on_train_epoch_end(self) -> None:
+        for scheduler in self.lr_schedulers():
+            scheduler.step()
+
+    def configure_optimizers(self) -> Any:
+        g_opt = torch.optim.Adam(self.generator.parameters(), lr=2e-3)
+        d_opt = torch.optim.SGD(self.discriminator.parameters(), lr=1e-2)
+        return [g_opt, d_opt], [torch.optim.lr_scheduler.StepLR(g_opt, 1, 0.5), torch.optim.lr_scheduler.StepLR(d_opt, 1, 0.9)]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(ClassificationData(96), batch_size=8, shuffle=True)
+
+
+class PlateauClassifier(Classifier):
+    """``ReduceLROnPlateau`` monitoring a metric logged in validation, in the dict form."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.5)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5, threshold=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val_loss"}}
+
+
+class OneCycleClassifier(Classifier):
+    """``OneCycleLR`` sized with ``trainer.estimated_stepping_batches``, in the two-list form."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01)
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=total)
+        return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+
+class MetricsClassifier(Classifier):
+    """torchmetrics objects passed to ``self.log``, a MetricCollection, and an epoch-end value
+    computed by hand from ``self.all_gather``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
+        self.val_metrics = torchmetrics.MetricCollection(
+            {
+                "val_precision": torchmetrics.Precision(task="multiclass", num_classes=4, average="macro"),
+                "val_recall": torchmetrics.Recall(task="multiclass", num_classes=4, average="macro"),
+            }
+        )
+        self.correct: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        self.train_acc(logits, y)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        return nn.functional.cross_entropy(logits, y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        x, y = batch
+        logits = self(x)
+        self.val_metrics.update(logits, y)
+        self.log_dict(self.val_metrics)
+        self.correct.append((logits.argmax(-1) == y).float())
+
+    def on_validation_epoch_end(self) -> None:
+        gathered = self.all_gather(torch.cat(self.correct))
+        self.log("val_acc_gathered", gathered.mean())
+        self.log("val_gathered_count", float(gathered.numel()))
+        self.correct.clear()
+
+
+class TrainerAwareClassifier(Classifier):
+    """Module code that reads the trainer and uses the strategy's collectives in its steps."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        strategy = self.trainer.strategy
+        strategy.barrier("step")
+        rank = torch.tensor(float(self.global_rank))
+        self.log_dict(
+            {
+                "seen_epoch": float(self.current_epoch),
+                "seen_step": float(self.global_step),
+                "seen_max_epochs": float(self.trainer.max_epochs),
+                "seen_world_size": float(self.trainer.world_size),
+                "seen_stepping_batches": float(self.trainer.estimated_stepping_batches),
+                "seen_no_datamodule": float(self.trainer.datamodule is None),
+                "broadcast_rank": strategy.broadcast(rank),
+                "reduced_rank": strategy.reduce(rank, reduce_op="sum"),
+                "gathered_losses": self.all_gather(loss.detach()).sum(),
+            },
+            reduce_fx="max",
+        )
+        if self.trainer.is_global_zero and batch_idx == 0:
+            self.print(f"epoch {self.current_epoch} on rank {self.global_rank}")
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        self.log("seen_sanity_checking", float(self.trainer.sanity_checking))
+
+
+class LoggingClassifier(Classifier):
+    """Writes to the logger from module code: ``log_hyperparams`` and ``logger.experiment``."""
+
+    def on_train_start(self) -> None:
+        self.logger.log_hyperparams({"extra_hparam": 7})
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        if batch_idx == 0:
+            self.logger.experiment.log_metrics({"from_experiment": float(batch[0].sum())}, step=self.global_step)
+
+
+class CheckpointHooksClassifier(Classifier):
+    """Adds state to checkpoints in ``on_save_checkpoint`` and reads it back in ``on_load_checkpoint``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps_seen = 0
+        self.restored_steps = -1
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps_seen += 1
+        self.log("restored_steps", float(self.restored_steps))
+        return super().training_step(batch, batch_idx)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["steps_seen"] = self.steps_seen
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.restored_steps = checkpoint["steps_seen"]
+
+
+class TwoValLoaderClassifier(Classifier):
+    """Two validation dataloaders, told apart by ``dataloader_idx``."""
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        x, y = batch
+        name = "val_loss" if dataloader_idx == 0 else "val_loss_second"
+        self.log(name, nn.functional.cross_entropy(self(x), y), sync_dist=True, add_dataloader_idx=False)
+
+    def val_dataloader(self) -> list[DataLoader]:
+        return [DataLoader(ClassificationData(40), batch_size=8), DataLoader(ClassificationData(24), batch_size=4)]
