@@ -17,6 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils._pytree import tree_flatten
 
 from lightning_monarch import _compat
+from lightning_monarch.controller.callbacks import check_controller_callbacks, check_worker_callbacks
 from lightning_monarch.controller.checks import pack_for_workers
 from lightning_monarch.controller.mesh import WorkerMesh
 from lightning_monarch.controller.mirrors import plan_loaders
@@ -75,7 +76,7 @@ class MonarchLauncher(_compat.Launcher):
         mesh = WorkerMesh.spawn(self._strategy.num_workers)
         try:
             mesh.start_stage(spec)
-            session = StageSession(trainer, mesh, module, datamodule)
+            session = StageSession(trainer, mesh, module, datamodule, bool(self._strategy.worker_callbacks))
             self._strategy.attach(session)
             with session.installed():
                 for name, value in loaders.items():
@@ -101,6 +102,8 @@ class MonarchLauncher(_compat.Launcher):
                     arguments: dict[str, Any]) -> StageSpec:
         """Everything the workers need, checked and pickled before any of them starts."""
         strategy = self._strategy
+        check_controller_callbacks(trainer.callbacks)
+        check_worker_callbacks(strategy.worker_callbacks)
         script_dir = _script_dir()
         payload = pack_for_workers(
             {

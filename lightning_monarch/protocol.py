@@ -294,8 +294,10 @@ class WorkerReply:
 
 @dataclass(frozen=True)
 class CheckpointState:
-    """Rank 0's model, optimizer and LR-scheduler state, for a checkpoint or the end of a stage."""
+    """Rank 0's model, optimizer, LR-scheduler and worker-callback state, for a checkpoint or the
+    end of a stage."""
 
     model: dict[str, Any]
     optimizers: list[dict[str, Any]]
     lr_schedulers: list[dict[str, Any]]
+    callbacks: dict[str, Any]

@@ -215,6 +215,14 @@ class MonarchStrategy(ParallelStrategy):
         return state.optimizers[self.optimizers.index(optimizer)]
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write ``checkpoint`` with the worker callbacks' state added, as DDP's rank 0 would."""
+        state = self._worker_state()
+        if state is not None and state.callbacks:
+            checkpoint.setdefault("callbacks", {}).update(state.callbacks)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Each worker loads optimizer state from the same checkpoint file itself."""
 

@@ -191,3 +191,22 @@ class TwoValLoaderClassifier(Classifier):
 
     def val_dataloader(self) -> list[DataLoader]:
         return [DataLoader(ClassificationData(40), batch_size=8), DataLoader(ClassificationData(24), batch_size=4)]
+
+
+class GradNormLogger(L.Callback):
+    """Logs the gradient norm before each optimizer step: needs live gradients."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        norm = torch.stack([p.grad.norm() for p in pl_module.parameters() if p.grad is not None]).norm()
+        pl_module.log("grad_norm", norm)
+
+
+class FinetuneClassifier(Classifier):
+    """A classifier with a ``backbone``, for ``BackboneFinetuning``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = self.net[:2]
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1)

@@ -14,7 +14,13 @@ from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    EarlyStopping,
+    GradientAccumulationScheduler,
+    LearningRateMonitor,
+    ModelCheckpoint,
+)
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -34,6 +40,7 @@ class Case:
     callbacks: list[L.Callback] = field(default_factory=list)
     datamodule: Optional[L.LightningDataModule] = None
     strategy_options: dict[str, Any] = field(default_factory=dict)
+    worker_callbacks: list[L.Callback] = field(default_factory=list)
     stages: tuple[str, ...] = ("fit",)
 
 
@@ -62,6 +69,13 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "double": lambda out: Case(models.Classifier(), {"precision": "64-true"}),
     "resume": lambda out: Case(compat.CheckpointHooksClassifier(), {"max_epochs": 1}, stages=("fit", "resume")),
     "fit_again": lambda out: Case(models.Classifier(), {"max_epochs": 1}, stages=("fit", "fit_more", "test_best")),
+    "gradient_callback": lambda out: Case(models.Classifier(), worker_callbacks=[compat.GradNormLogger()]),
+    "backbone_finetuning": lambda out: Case(
+        compat.FinetuneClassifier(), {"max_epochs": 3}, worker_callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)]
+    ),
+    "accumulation_scheduler": lambda out: Case(
+        models.Classifier(), {"max_epochs": 3}, [GradientAccumulationScheduler({1: 2, 2: 3})]
+    ),
     "loop_flags": lambda out: Case(
         compat.TwoValLoaderClassifier(),
         {"limit_train_batches": 5, "val_check_interval": 2, "num_sanity_val_steps": 1, "max_steps": 9,
@@ -76,7 +90,11 @@ def _tracing(path: Path) -> models.TracingClassifier:
     return model
 
 
-def _strategy(name: str, options: dict[str, Any]) -> Any:
+def _strategy(name: str, case: Case) -> Any:
+    """The strategy, with the case's options; under ``ddp`` worker callbacks are plain callbacks."""
+    options = dict(case.strategy_options)
+    if name == "monarch" and case.worker_callbacks:
+        options["worker_callbacks"] = case.worker_callbacks
     if not options:
         return name
     return {"ddp": DDPStrategy, "monarch": MonarchStrategy}[name](**options)
@@ -87,10 +105,11 @@ def _trainer(strategy: str, out_dir: Path, case: Case, **overrides: Any) -> L.Tr
         ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), monitor="val_loss", save_last=True),
         LearningRateMonitor(logging_interval="step"),
         *case.callbacks,
+        *(case.worker_callbacks if strategy == "ddp" else []),
     ]
     options = dict(max_epochs=2, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2)
     return L.Trainer(
-        strategy=_strategy(strategy, case.strategy_options),
+        strategy=_strategy(strategy, case),
         accelerator="cpu",
         devices=2,
         logger=CSVLogger(str(out_dir), name="logs", version=0),

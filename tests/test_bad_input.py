@@ -11,6 +11,14 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    BasePredictionWriter,
+    BatchSizeFinder,
+    GradientAccumulationScheduler,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+)
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -111,3 +119,35 @@ def test_incompatible_trainer_arguments(kwargs: dict[str, Any], match: str) -> N
 def test_unknown_ddp_option() -> None:
     with pytest.raises(TypeError, match=r"find_unused_parameter'.*DistributedDataParallel"):
         MonarchStrategy(find_unused_parameter=True)
+
+
+class GradientPeeker(L.Callback):
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("callbacks", "worker_callbacks", "match"),
+    [
+        ([GradientPeeker()], [], r"`GradientPeeker` overrides `on_after_backward`.*worker_callbacks=\[GradientPeeker"),
+        ([BackboneFinetuning()], [], r"`BackboneFinetuning` freezes.*worker_callbacks=\[BackboneFinetuning"),
+        ([BasePredictionWriter()], [], r"`BasePredictionWriter` writes each rank's predictions.*worker_callbacks"),
+        ([StochasticWeightAveraging(swa_lrs=0.1)], [], r"StochasticWeightAveraging.*AveragedModel"),
+        ([], [StochasticWeightAveraging(swa_lrs=0.1)], r"StochasticWeightAveraging.*AveragedModel"),
+        ([BatchSizeFinder()], [], r"BatchSizeFinder` runs trial fits.*devices=1"),
+        ([], [ModelCheckpoint()], r"worker_callbacks=\[ModelCheckpoint.*Trainer\(callbacks=\[ModelCheckpoint"),
+        ([], [GradientAccumulationScheduler({0: 2})], r"Trainer\(callbacks=\[GradientAccumulationScheduler"),
+    ],
+)
+def test_callbacks_that_cannot_run_where_they_were_put(
+    callbacks: list[L.Callback], worker_callbacks: list[L.Callback], match: str
+) -> None:
+    trainer = _trainer(strategy=MonarchStrategy(worker_callbacks=worker_callbacks), callbacks=callbacks)
+    with pytest.raises(MisconfigurationException, match=match) as error:
+        trainer.fit(Classifier())
+    _assert_raised_before_spawning(error)
+
+
+def test_compiled_module_is_rejected_by_lightning() -> None:
+    with pytest.raises(RuntimeError, match="compiled model is incompatible.*MonarchStrategy"):
+        _trainer().fit(torch.compile(Classifier()))

@@ -42,9 +42,12 @@ class OptimizerMirror(torch.optim.Optimizer):
         return loss
 
     def update_hyperparameters(self, param_groups: list[dict[str, Any]]) -> None:
-        """Take the worker's current hyperparameters (learning rate, momentum...)."""
+        """Take the worker's current hyperparameters (learning rate, momentum...), and its new
+        param groups (``BaseFinetuning`` adds one when it unfreezes a backbone)."""
         for group, values in zip(self.param_groups, param_groups):
             group.update(values)
+        for values in param_groups[len(self.param_groups) :]:
+            self.add_param_group({**values, "params": [_placeholder()]})
 
 
 def _placeholder() -> torch.Tensor:

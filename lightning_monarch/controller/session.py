@@ -18,6 +18,7 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule, Tr
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_monarch import _compat
+from lightning_monarch.controller.callbacks import check_controller_callbacks
 from lightning_monarch.controller.metrics import mirror_metrics
 from lightning_monarch.controller.mesh import WorkerMesh
 from lightning_monarch.controller.mirrors import LoaderLengths, optimizer_mirrors, plan_loaders
@@ -46,8 +47,9 @@ class StageSession:
     """Runs on the controller: drives the workers through one stage in step with the local loop."""
 
     def __init__(self, trainer: Trainer, mesh: WorkerMesh, module: LightningModule,
-                 datamodule: Optional[LightningDataModule]) -> None:
+                 datamodule: Optional[LightningDataModule], worker_callbacks: bool) -> None:
         self._trainer = trainer
+        self._worker_callbacks = worker_callbacks
         self._mesh = mesh
         self._objects = {"module": module, "datamodule": datamodule}
         self._gate_callback = GateCallback(self.around)
@@ -71,7 +73,7 @@ class StageSession:
         undo = [install_hook_gates(module, "module", MODULE_HOOKS, self.around)]
         if datamodule is not None:
             undo.append(install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, self.around))
-        if is_overridden("on_save_checkpoint", module, LightningModule):
+        if self._worker_callbacks or is_overridden("on_save_checkpoint", module, LightningModule):
             undo.append(install_hook_gates(module, "checkpoint", ["on_save_checkpoint"], self._on_save_checkpoint))
         undo.append(mirror_metrics(self._trainer, self))
         self._trainer.callbacks.insert(0, self._gate_callback)
@@ -137,6 +139,8 @@ class StageSession:
     def _result(self, gate: str, replies: list[WorkerReply]) -> Any:
         if gate == "module.predict_step":
             self.predictions.add([reply.result for reply in replies])
+        if gate == "module.configure_callbacks":
+            check_controller_callbacks(_as_list(replies[0].result))
         return self._materialize(gate, replies[0].result)
 
     def _materialize(self, gate: str, value: Any) -> Any:
@@ -220,6 +224,10 @@ class StageSession:
         if trained:
             self.final_state = self._mesh.checkpoint_state()
             module.load_state_dict(self.final_state.model)
+
+
+def _as_list(callbacks: Any) -> list[Callback]:
+    return list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
 
 
 def _trainable(output: Any) -> Any:

@@ -71,13 +71,8 @@ class MonarchWorker(Actor):
 
     @endpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> Union[dict[str, Any], WorkerFailure]:
-        """Run the module's ``on_save_checkpoint`` on the checkpoint the controller is writing."""
-
-        def run(reader: Any) -> dict[str, Any]:
-            reader.module.on_save_checkpoint(checkpoint)
-            return checkpoint
-
-        return self._out_of_band(run, "on_save_checkpoint")
+        """Let rank 0's worker callbacks and module add to the checkpoint the controller is writing."""
+        return self._out_of_band(lambda reader: reader.on_save_checkpoint(checkpoint), "on_save_checkpoint")
 
     def _out_of_band(self, fn: Callable[[Any], Any], what: str) -> Any:
         stage = self._stage

@@ -12,6 +12,7 @@ import cloudpickle
 from lightning.pytorch import Trainer
 
 from lightning_monarch import _compat
+from lightning_monarch.gates import GateCallback
 from lightning_monarch.protocol import CheckpointState, LoggerCall, WorkerReply
 from lightning_monarch.worker.describe import param_group_hyperparameters, to_cpu
 
@@ -76,6 +77,17 @@ class StateReader:
             attributes[name] = to_cpu(value)
         return attributes
 
+    def _worker_callbacks(self) -> list[Any]:
+        return [callback for callback in self._trainer.callbacks if not isinstance(callback, GateCallback)]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """Run the worker callbacks' and then the module's ``on_save_checkpoint`` on a checkpoint
+        the controller is writing, in the order Lightning's ``dump_checkpoint`` calls them."""
+        for callback in self._worker_callbacks():
+            callback.on_save_checkpoint(self._trainer, self.module, checkpoint)
+        self.module.on_save_checkpoint(checkpoint)
+        return checkpoint
+
     def checkpoint_state(self) -> CheckpointState:
         """The model, optimizer and LR-scheduler state that a DDP rank 0 would put in a checkpoint."""
         strategy = self._trainer.strategy
@@ -83,4 +95,9 @@ class StateReader:
             model=to_cpu(strategy.lightning_module_state_dict()),
             optimizers=[to_cpu(strategy.optimizer_state(optimizer)) for optimizer in self._trainer.optimizers],
             lr_schedulers=[to_cpu(config.scheduler.state_dict()) for config in self._trainer.lr_scheduler_configs],
+            callbacks={
+                callback.state_key: to_cpu(state)
+                for callback in self._worker_callbacks()
+                if (state := callback.state_dict())
+            },
         )
