@@ -24,6 +24,7 @@ __all__ = [
     "LoggerConnector",
     "carry_fit_progress",
     "combined_loader_lengths",
+    "fetched_batches",
     "manual_step_progress",
     "predict_batch_indices",
     "record_eval_epoch_metrics",
@@ -127,6 +128,17 @@ def combined_loader_lengths(trainer: Trainer) -> dict[str, list[Optional[int]]]:
         if combined is not None:
             lengths[stage] = [len(loader) if has_len(loader) else None for loader in combined.flattened]
     return lengths
+
+
+def fetched_batches(trainer: Trainer) -> dict[str, int]:
+    """Per stage, how many batches the loop's data fetcher has taken from its dataloaders so far
+    in the current epoch (prefetched ones included)."""
+    fetched = {}
+    for stage, loop in _loops_by_stage(trainer).items():
+        fetcher = loop._data_fetcher
+        if fetcher is not None:
+            fetched[stage] = fetcher.fetched
+    return fetched
 
 
 def predict_batch_indices(trainer: Trainer, batch_idx: int, dataloader_idx: int) -> list[int]:

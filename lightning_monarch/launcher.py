@@ -80,7 +80,7 @@ class MonarchLauncher(_compat.Launcher):
             self._strategy.attach(session)
             with session.installed():
                 for name, value in loaders.items():
-                    arguments[name] = plan_loaders(LoaderRef.describe(value), loader_args[name], session.lengths)
+                    arguments[name] = plan_loaders(LoaderRef.describe(value), loader_args[name], session.loaders)
                 result = function(**arguments)
                 session.finish(trained=stage == "fit")
             if stage == "predict" and result is not None:

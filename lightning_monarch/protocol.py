@@ -288,6 +288,7 @@ class WorkerReply:
     manual_steps: Optional[dict[str, Any]] = None
     eval_outputs: list[dict[str, Any]] = field(default_factory=list)
     loader_lengths: Optional[dict[str, list[Optional[int]]]] = None
+    fetched_batches: Optional[dict[str, int]] = None
     skipped: bool = False
     failure: Optional[WorkerFailure] = None
 

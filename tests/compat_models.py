@@ -10,7 +10,8 @@ import lightning as L
 import torch
 import torchmetrics
 from torch import nn
-from torch.utils.data import DataLoader
+import torch.distributed
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from tests.models import ClassificationData, Classifier
 
@@ -210,3 +211,44 @@ class FinetuneClassifier(Classifier):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1)
+
+
+class StreamData(IterableDataset):
+    """Samples from an iterator, with no length: Lightning cannot shard it, every rank reads it all."""
+
+    def __init__(self, size: int) -> None:
+        self.data = ClassificationData(size)
+
+    def __iter__(self) -> Any:
+        return iter(zip(*self.data.tensors))
+
+
+class StreamClassifier(Classifier):
+    """Trains and validates on iterable datasets of unknown length."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(StreamData(90), batch_size=8)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(StreamData(20), batch_size=8)
+
+
+class RankShardSampler(Sampler):
+    """A sampler written by the user that shards by rank itself (``use_distributed_sampler=False``)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __iter__(self) -> Any:
+        return iter(range(torch.distributed.get_rank(), self.size, torch.distributed.get_world_size()))
+
+    def __len__(self) -> int:
+        return len(range(torch.distributed.get_rank(), self.size, torch.distributed.get_world_size()))
+
+
+class CustomSamplerClassifier(Classifier):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(ClassificationData(96), batch_size=8, sampler=RankShardSampler(96))
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(ClassificationData(40), batch_size=8, sampler=RankShardSampler(40))

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader
 
 from lightning_monarch import MonarchStrategy
 from tests import compat_models as compat
@@ -41,6 +42,7 @@ class Case:
     datamodule: Optional[L.LightningDataModule] = None
     strategy_options: dict[str, Any] = field(default_factory=dict)
     worker_callbacks: list[L.Callback] = field(default_factory=list)
+    loaders: dict[str, Any] = field(default_factory=dict)
     stages: tuple[str, ...] = ("fit",)
 
 
@@ -75,6 +77,19 @@ CASES: dict[str, Callable[[Path], Case]] = {
     ),
     "accumulation_scheduler": lambda out: Case(
         models.Classifier(), {"max_epochs": 3}, [GradientAccumulationScheduler({1: 2, 2: 3})]
+    ),
+    "iterable_dataset": lambda out: Case(compat.StreamClassifier()),
+    "loaders_passed_to_fit": lambda out: Case(
+        models.Classifier(),
+        loaders={
+            "train_dataloaders": DataLoader(models.ClassificationData(64), batch_size=4, shuffle=True),
+            "val_dataloaders": DataLoader(models.ClassificationData(24), batch_size=4),
+        },
+    ),
+    "custom_sampler": lambda out: Case(compat.CustomSamplerClassifier(), {"use_distributed_sampler": False}),
+    "fast_dev_run": lambda out: Case(models.Classifier(), {"fast_dev_run": 2}),
+    "overfit_batches": lambda out: Case(
+        models.Classifier(), {"overfit_batches": 2, "max_epochs": 4, "check_val_every_n_epoch": 2}
     ),
     "loop_flags": lambda out: Case(
         compat.TwoValLoaderClassifier(),
@@ -131,7 +146,7 @@ def run_case(name: str, strategy: str, out_dir: Path) -> Optional[dict[str, Any]
     results: dict[str, Any] = {}
     for stage in case.stages:
         if stage == "fit":
-            trainer.fit(model, datamodule=datamodule)
+            trainer.fit(model, datamodule=datamodule, **case.loaders)
             trainer.save_checkpoint(str(out_dir / "final.ckpt"))
         elif stage == "fit_more":
             trainer.fit_loop.max_epochs += 1

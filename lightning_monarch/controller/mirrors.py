@@ -13,7 +13,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_monarch.protocol import CheckpointState, LoaderRef, OptimizerRef, SchedulerRef
+from lightning_monarch.protocol import CheckpointState, LoaderRef, OptimizerRef, SchedulerRef, WorkerReply
 
 StateSource = Callable[[], CheckpointState]
 
@@ -83,59 +83,87 @@ class PlateauMirror(_SchedulerState, ReduceLROnPlateau):
     """Runs on the controller: stands in for a worker's ``ReduceLROnPlateau``."""
 
 
-class LoaderLengths:
-    """Runs on the controller: the workers' dataloader lengths, per stage, asked for when needed.
+class WorkerLoaders:
+    """Runs on the controller: what it knows of the workers' dataloaders, asked for when needed.
 
-    Each worker shards its data with a ``DistributedSampler``, so the lengths are known only after
-    the workers have built their loaders; a ``Peek`` lets them get that far (L3).
+    Each worker shards its data with a ``DistributedSampler``, so lengths are known only after the
+    workers have built their loaders; a ``Peek`` lets them get that far (L3). A loader without a
+    length (an ``IterableDataset``) ends when rank 0's data fetcher finds it exhausted: the
+    controller's fetcher asks for batch ``i`` at the point where the workers' fetchers do too.
     """
 
-    def __init__(self, peek: Callable[[], dict[str, list[Optional[int]]]]) -> None:
+    def __init__(self, peek: Callable[[], WorkerReply]) -> None:
         self._peek = peek
         self._lengths: dict[str, list[Optional[int]]] = {}
+        self._fetched: dict[str, int] = {}
 
     def invalidate(self, stage: str) -> None:
         """The workers are building new ``stage`` loaders; forget the old lengths."""
         self._lengths.pop(stage, None)
 
-    def get(self, stage: str, index: int) -> Optional[int]:
+    def length(self, stage: str, index: int) -> Optional[int]:
         if stage not in self._lengths:
-            self._lengths.update(self._peek())
+            self._update()
         return self._lengths[stage][index]
+
+    def start_epoch(self, stage: str) -> None:
+        """A new pass over the ``stage`` loaders begins; forget how far the last one got."""
+        self._fetched.pop(stage, None)
+
+    def has_batch(self, stage: str, batch: int) -> bool:
+        """Whether rank 0 fetched batch ``batch`` of its ``stage`` loader in this pass."""
+        if self._fetched.get(stage, 0) <= batch:
+            self._update()
+        return self._fetched.get(stage, 0) > batch
+
+    def _update(self) -> None:
+        reply = self._peek()
+        self._lengths.update(reply.loader_lengths or {})
+        self._fetched.update(reply.fetched_batches or {})
 
 
 class PlanLoader:
     """Runs on the controller: stands in for one worker dataloader and yields batch indices.
 
-    The controller never sees samples; its loop steps through ``range(len(loader))`` while each
-    worker loads its own shard of the batch with the same index.
+    The controller never sees samples; its loop steps through batch indices while each worker
+    loads its own shard of the batch with the same index.
     """
 
-    def __init__(self, stage: str, index: int, lengths: LoaderLengths, batch_size: Optional[int]) -> None:
+    def __init__(self, stage: str, index: int, loaders: WorkerLoaders, batch_size: Optional[int]) -> None:
         self.stage = stage
         self.index = index
         self.batch_size = batch_size
-        self._lengths = lengths
+        self._loaders = loaders
 
     def __len__(self) -> int:
-        length = self._lengths.get(self.stage, self.index)
+        length = self._loaders.length(self.stage, self.index)
         if length is None:
             raise TypeError(f"The workers' {self.stage} dataloader #{self.index} has no length.")
         return length
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(len(self)))
+        length = self._loaders.length(self.stage, self.index)
+        if length is not None:
+            return iter(range(length))
+        self._loaders.start_epoch(self.stage)
+        return self._while_workers_fetch()
+
+    def _while_workers_fetch(self) -> Iterator[int]:
+        batch = 0
+        while self._loaders.has_batch(self.stage, batch):
+            yield batch
+            batch += 1
 
 
-def plan_loaders(description: Any, stage: str, lengths: LoaderLengths) -> Any:
+def plan_loaders(description: Any, stage: str, loaders: WorkerLoaders) -> Any:
     """Mirror a ``*_dataloader`` result (a tree of :class:`LoaderRef`) with :class:`PlanLoader`s."""
     refs, spec = tree_flatten(description)
-    lengths.invalidate(stage)
-    loaders = [
-        PlanLoader(stage, index, lengths, ref.batch_size if isinstance(ref, LoaderRef) else None)
+    loaders.invalidate(stage)
+    plans = [
+        PlanLoader(stage, index, loaders, ref.batch_size if isinstance(ref, LoaderRef) else None)
         for index, ref in enumerate(refs)
     ]
-    return tree_unflatten(loaders, spec)
+    return tree_unflatten(plans, spec)
 
 
 def optimizer_mirrors(description: Any, closure_runs: Callable[[], int], state: StateSource) -> Any:

@@ -21,7 +21,7 @@ from lightning_monarch import _compat
 from lightning_monarch.controller.callbacks import check_controller_callbacks
 from lightning_monarch.controller.metrics import mirror_metrics
 from lightning_monarch.controller.mesh import WorkerMesh
-from lightning_monarch.controller.mirrors import LoaderLengths, optimizer_mirrors, plan_loaders
+from lightning_monarch.controller.mirrors import WorkerLoaders, optimizer_mirrors, plan_loaders
 from lightning_monarch.controller.predictions import PredictionCollector
 from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.protocol import (
@@ -62,7 +62,7 @@ class StageSession:
         self._eval_outputs: deque[dict[str, Any]] = deque()
         self._position = 0
         self._state: Optional[tuple[int, CheckpointState]] = None
-        self.lengths = LoaderLengths(self.peek)
+        self.loaders = WorkerLoaders(self.peek)
         self.predictions = PredictionCollector()
         self.final_state: Optional[CheckpointState] = None
 
@@ -152,7 +152,7 @@ class StageSession:
         if hook == "configure_optimizers":
             return optimizer_mirrors(value, self.closure_runs, self.checkpoint_state)
         if hook.endswith("_dataloader"):
-            return plan_loaders(value, hook.split("_", 1)[0], self.lengths)
+            return plan_loaders(value, hook.split("_", 1)[0], self.loaders)
         return value
 
     # ----- messages --------------------------------------------------------------------------
@@ -180,11 +180,11 @@ class StageSession:
             _compat.manual_step_progress(trainer).load_state_dict(reply.manual_steps)
         self._eval_outputs.extend(reply.eval_outputs)
 
-    def peek(self) -> dict[str, list[Optional[int]]]:
-        """Let the workers run up to their next gate; return their dataloader lengths."""
+    def peek(self) -> WorkerReply:
+        """Let the workers run up to their next gate; return rank 0's reply."""
         replies = self._advance(Peek())
         assert replies is not None
-        return replies[0].loader_lengths or {}
+        return replies[0]
 
     def next_eval_outputs(self) -> dict[str, Any]:
         """The next value the workers' ``update_eval_epoch_metrics`` returned on rank 0."""

@@ -45,7 +45,8 @@ class StateReader:
         self._logger_calls.clear()
         reply.eval_outputs = to_cpu(self._eval_outputs[:])
         self._eval_outputs.clear()
-        reply.loader_lengths = self.loader_lengths()
+        reply.loader_lengths = _compat.combined_loader_lengths(self._trainer)
+        reply.fetched_batches = _compat.fetched_batches(self._trainer)
 
     def read_metrics(self, view: str) -> Optional[dict[str, Any]]:
         """Read a metrics property as a callback on DDP rank 0 would at this point.
@@ -57,10 +58,6 @@ class StateReader:
             raise ValueError(f"Unknown metrics view {view!r}; expected one of {METRIC_VIEWS}.")
         values = getattr(self._trainer, view)
         return to_cpu(dict(values)) if self._rank == 0 else None
-
-    def loader_lengths(self) -> dict[str, list[Optional[int]]]:
-        """The lengths of the dataloaders each loop has set up, flattened in Lightning's order."""
-        return _compat.combined_loader_lengths(self._trainer)
 
     def module_attributes(self) -> dict[str, Any]:
         """The module's public Python attributes (counters, lists, tensors that are not buffers)
