@@ -106,6 +106,10 @@ class WorkerMesh:
         """Rank 0's module's public Python attributes."""
         return self._check(self._rank0.module_attributes.call_one().get())
 
+    def module_children(self) -> dict[str, Any]:
+        """Rank 0's module's direct submodules."""
+        return self._check(self._rank0.module_children.call_one().get())
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Run the module's ``on_save_checkpoint`` on rank 0 and return the checkpoint it edited."""
         return self._check(self._rank0.on_save_checkpoint.call_one(checkpoint).get())

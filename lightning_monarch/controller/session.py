@@ -223,6 +223,11 @@ class StageSession:
         vars(module).update(self._mesh.module_attributes())
         if trained:
             self.final_state = self._mesh.checkpoint_state()
+            if set(self.final_state.model) != set(module.state_dict()):
+                # ``configure_model`` changed the module on the workers (compiled, wrapped or grew
+                # layers): the controller's module takes rank 0's submodules, as DDP's rank 0 has them.
+                for name, child in self._mesh.module_children().items():
+                    setattr(module, name, child)
             module.load_state_dict(self.final_state.model)
 
 

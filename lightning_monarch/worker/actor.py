@@ -70,6 +70,11 @@ class MonarchWorker(Actor):
         return self._out_of_band(lambda reader: reader.module_attributes(), "module attributes")
 
     @endpoint
+    def module_children(self) -> Union[dict[str, Any], WorkerFailure]:
+        """The direct submodules of this rank's module (see ``StateReader``)."""
+        return self._out_of_band(lambda reader: reader.module_children(), "module children")
+
+    @endpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> Union[dict[str, Any], WorkerFailure]:
         """Let rank 0's worker callbacks and module add to the checkpoint the controller is writing."""
         return self._out_of_band(lambda reader: reader.on_save_checkpoint(checkpoint), "on_save_checkpoint")

@@ -74,6 +74,11 @@ class StateReader:
             attributes[name] = to_cpu(value)
         return attributes
 
+    def module_children(self) -> dict[str, Any]:
+        """The module's direct submodules (on CPU after the stage's teardown): the controller takes
+        them when ``configure_model`` changed the module's structure on the workers."""
+        return dict(self.module.named_children())
+
     def _worker_callbacks(self) -> list[Any]:
         return [callback for callback in self._trainer.callbacks if not isinstance(callback, GateCallback)]
 
