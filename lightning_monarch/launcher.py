@@ -13,7 +13,9 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils._pytree import tree_flatten
 
 from lightning_monarch import _compat
@@ -104,6 +106,11 @@ class MonarchLauncher(_compat.Launcher):
         strategy = self._strategy
         check_controller_callbacks(trainer.callbacks)
         check_worker_callbacks(strategy.worker_callbacks)
+        if not isinstance(trainer.profiler, PassThroughProfiler):
+            rank_zero_warn(
+                f"`Trainer(profiler={type(trainer.profiler).__name__}(...))` under strategy='monarch' profiles the"
+                " controller's loop: each step's time there includes waiting for the workers, not their compute."
+            )
         script_dir = _script_dir()
         payload = pack_for_workers(
             {

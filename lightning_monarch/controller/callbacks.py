@@ -16,12 +16,16 @@ from lightning.pytorch.callbacks import (
     BasePredictionWriter,
     BatchSizeFinder,
     Checkpoint,
+    DeviceStatsMonitor,
     EarlyStopping,
     GradientAccumulationScheduler,
     LearningRateFinder,
     ModelPruning,
+    OnExceptionCheckpoint,
     ProgressBar,
     StochasticWeightAveraging,
+    ThroughputMonitor,
+    WeightAveraging,
 )
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -29,11 +33,14 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 #: Callback hooks that see live gradients: Lightning calls them inside backward and the step.
 GRADIENT_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 
-#: Callbacks that change or read the live model, and why; they run on the workers.
+#: Callbacks that change or read the live model, device or batches, and why; they run on the workers.
 _NEED_LIVE_MODEL = {
     BaseFinetuning: "freezes and unfreezes parameters and adds them to the optimizer",
     ModelPruning: "prunes the live parameters",
+    WeightAveraging: "averages the live parameters",
     BasePredictionWriter: "writes each rank's predictions with their batch indices, which exist on the workers",
+    DeviceStatsMonitor: "reads the stats of the device it runs on",
+    ThroughputMonitor: "measures the batches, which only the workers hold,",
 }
 
 #: Callbacks that change the loop itself on the workers in a way the controller's loop cannot
@@ -46,6 +53,10 @@ _UNSUPPORTED = {
     LearningRateFinder: (
         "runs trial fits inside `trainer.fit`",
         "Find the learning rate with `LearningRateFinder` under `Trainer(devices=1)` first, then set it on your module",
+    ),
+    OnExceptionCheckpoint: (
+        "saves the workers' state after a failure, when a failed worker can no longer give it",
+        "Keep `ModelCheckpoint(save_last=True)` to resume from the last good checkpoint",
     ),
     StochasticWeightAveraging: (
         "swaps the LR schedulers on the workers mid-training",
