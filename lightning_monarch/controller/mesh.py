@@ -65,6 +65,7 @@ class WorkerMesh:
         self._procs: Optional[ProcMesh] = procs
         self._workers = procs.spawn("lightning_monarch_worker", MonarchWorker)
         self._rank0 = self._workers.slice(gpus=0)
+        self._burst: list[Advance] = []
         self.num_workers = num_workers
 
     @classmethod
@@ -85,34 +86,52 @@ class WorkerMesh:
                 raise WorkerError(failure)
 
     def advance(self, command: Union[Advance, Peek, Finish]) -> Optional[list[WorkerReply]]:
-        """Send a loop message to every rank; wait for the replies unless it is a fire-and-forget
-        ``Advance`` (L4). The first failing rank raises, without waiting for the others."""
+        """Move every rank's loop; wait for the replies unless it is a fire-and-forget ``Advance``.
+
+        Fire-and-forget commands wait in a burst that leaves with the next message (L4), so a
+        training step is a few messages, not one per hook. The first failing rank raises,
+        without waiting for the others.
+        """
+        self._burst.append(command)
         if isinstance(command, Advance) and not command.wait:
-            self._workers.advance.broadcast(command)
             return None
-        replies = self._gather(self._workers.advance.stream(command))
+        burst, self._burst = self._burst, []
+        replies = self._gather(self._workers.advance.stream(burst))
         return sorted(replies, key=lambda reply: reply.rank)
+
+    def _flush(self) -> None:
+        """Send the waiting burst ahead of a message that must see its effects."""
+        if self._burst:
+            burst, self._burst = self._burst, []
+            self._workers.advance.broadcast(burst)
 
     def read_metrics(self, view: str) -> dict[str, Any]:
         """Rank 0's ``trainer.<view>``; every rank takes part, for metrics synced across ranks."""
+        self._flush()
         values = [value for value in self._gather(self._workers.read_metrics.stream(view)) if value is not None]
         return values[0]
 
     def checkpoint_state(self) -> CheckpointState:
         """Rank 0's model, optimizer and LR-scheduler state at the point the loop has reached."""
-        return self._check(self._rank0.checkpoint_state.call_one().get())
+        return self._call_rank0("checkpoint_state")
 
     def module_attributes(self) -> dict[str, Any]:
         """Rank 0's module's public Python attributes."""
-        return self._check(self._rank0.module_attributes.call_one().get())
+        return self._call_rank0("module_attributes")
 
     def module_children(self) -> dict[str, Any]:
         """Rank 0's module's direct submodules."""
-        return self._check(self._rank0.module_children.call_one().get())
+        return self._call_rank0("module_children")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Run the module's ``on_save_checkpoint`` on rank 0 and return the checkpoint it edited."""
-        return self._check(self._rank0.on_save_checkpoint.call_one(checkpoint).get())
+        """Run the worker callbacks' and module's ``on_save_checkpoint`` on rank 0; return the
+        checkpoint they edited."""
+        return self._call_rank0("on_save_checkpoint", checkpoint)
+
+    def _call_rank0(self, endpoint: str, *args: Any) -> Any:
+        """Call an out-of-band endpoint on rank 0, after the waiting burst."""
+        self._flush()
+        return self._check(getattr(self._rank0, endpoint).call_one(*args).get())
 
     def stop(self) -> None:
         """Stop every worker process. Idempotent; runs even when the workers are stuck."""

@@ -97,8 +97,7 @@ class StageSession:
         replies = self._advance(Advance(gate, control_state(self._trainer), self._must_wait(gate)))
         self._replay = deque(replies[0].nested if replies else ())
         try:
-            if gate in RESULT_HOOKS:
-                assert replies is not None
+            if gate in RESULT_HOOKS and replies is not None:
                 return self._result(gate, replies)
             return base(*args, **kwargs)
         finally:
@@ -120,10 +119,12 @@ class StageSession:
         return sum(gate == "module.training_step" for gate, _ in self._replay or ())
 
     def _must_wait(self, gate: str) -> bool:
-        """Whether the controller needs anything back from gate ``gate`` (L4)."""
+        """Whether the controller needs anything back from gate ``gate`` (L4): the result or the
+        effects of user code, or the state a controller callback on that hook may read. A hook the
+        user did not override returns what Lightning's base implementation returns here."""
         if gate not in self._wait:
             owner, hook = gate.split(".", 1)
-            if gate in RESULT_HOOKS or gate == "module.optimizer_step":
+            if gate == "module.optimizer_step":
                 wait = True
             elif owner in _BASES:
                 wait = is_overridden(hook, self._objects[owner], _BASES[owner])

@@ -47,12 +47,12 @@ class MonarchWorker(Actor):
         return None
 
     @endpoint
-    def advance(self, command: Union[Advance, Peek, Finish]) -> WorkerReply:
-        """Move this rank's loop as the controller's loop moved (L3)."""
+    def advance(self, commands: list[Union[Advance, Peek, Finish]]) -> WorkerReply:
+        """Move this rank's loop as the controller's loop moved (L3), one burst of commands."""
         if self._stage is None:
             error = RuntimeError("No stage was started on this worker before its first step.")
             return WorkerReply(rank=self._rank, failure=self._failure(error, None))
-        return self._stage.submit(command)
+        return self._stage.submit(commands)
 
     @endpoint
     def read_metrics(self, view: str) -> Union[Optional[dict[str, Any]], WorkerFailure]:

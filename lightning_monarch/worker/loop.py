@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -55,6 +56,7 @@ class StageLoop:
         self._outbox: queue.Queue[Any] = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._command: Optional[Command] = None
+        self._pending: deque[Command] = deque()
         self._depth = 0
         self._nested: list[tuple[str, Any]] = []
         self._gate: Optional[str] = None
@@ -64,17 +66,19 @@ class StageLoop:
 
     # ----- endpoint thread -------------------------------------------------------------------
 
-    def submit(self, command: Command) -> WorkerReply:
-        """Runs on the endpoint thread: serve one controller message and return the answer."""
+    def submit(self, commands: list[Command]) -> WorkerReply:
+        """Runs on the endpoint thread: serve one controller message, a burst of loop commands run
+        back to back (L4), and return the answer to the last one."""
         if self._ended is not None:
-            return self._answer_after_end(command)
+            return self._answer_after_end(commands)
         if self._thread is None:
+            self._pending.extend(commands[1:])
             self._thread = threading.Thread(
-                target=self._main, args=(command,), name="lightning-monarch-loop", daemon=True
+                target=self._main, args=(commands[0],), name="lightning-monarch-loop", daemon=True
             )
             self._thread.start()
         else:
-            self._inbox.put(command)
+            self._inbox.put(commands)
         return self._outbox.get()
 
     def out_of_band(self, fn: Callable[[], Any]) -> Any:
@@ -83,6 +87,8 @@ class StageLoop:
         Used for checkpoint state, which must be read where the stage's tensors live, at the
         point the loop has reached. Once the stage has ended, ``fn`` runs here directly.
         """
+        if self._ended is not None and self._ended.failure is not None:
+            raise RuntimeError(f"The stage failed on rank {self._rank}: {self._ended.failure.message}")
         if self._thread is None or self._ended is not None:
             return fn()
         self._inbox.put(_OutOfBand(fn))
@@ -125,7 +131,7 @@ class StageLoop:
         if self._rank == 0 or gate == "module.predict_step":
             reply.result = describe_result(gate, result, self._trainer, args)
         reply.nested = self._nested
-        self._outbox.put(reply)
+        self._answer(reply)
         self._wait()
         return worker_side_result(gate, result)
 
@@ -149,9 +155,9 @@ class StageLoop:
             if isinstance(command, Advance) and command.hook == gate:
                 return
             if isinstance(command, Peek):
-                self._outbox.put(self._reply(gate, full=True))
+                self._answer(self._reply(gate, full=True))
             elif isinstance(command, Advance) and command.hook in RANK_LOCAL_HOOKS:
-                self._outbox.put(WorkerReply(rank=self._rank, hook=command.hook, skipped=True))
+                self._answer(WorkerReply(rank=self._rank, hook=command.hook, skipped=True))
             else:
                 self._free_running = True
                 expected = command.hook if isinstance(command, Advance) else "the end of the stage"
@@ -162,18 +168,28 @@ class StageLoop:
                 )
             self._wait()
 
+    def _answer(self, reply: WorkerReply) -> None:
+        """Send ``reply`` if its command ends a burst; the controller waits only for those (L4)."""
+        if not self._pending:
+            self._outbox.put(reply)
+
     def _wait(self) -> None:
-        """Park until the next loop message; serve out-of-band requests meanwhile."""
+        """Take the next command of the burst, or park until the next message; serve out-of-band
+        requests meanwhile."""
+        if self._pending:
+            self._accept(self._pending.popleft())
+            return
         while True:
             item = self._inbox.get()
+            if isinstance(item, list):
+                self._pending.extend(item[1:])
+                self._accept(item[0])
+                return
             if isinstance(item, _OutOfBand):
                 try:
                     self._outbox.put((item.fn(), None))
                 except Exception as error:  # handed to the endpoint thread, which raises it
                     self._outbox.put((None, error))
-                continue
-            self._accept(item)
-            return
 
     def _accept(self, command: Command) -> None:
         self._command = command
@@ -190,13 +206,16 @@ class StageLoop:
             self._ended = WorkerReply(rank=self._rank, failure=self._failure(error))
         else:
             self._ended = self._reply(None, full=True)
-        self._outbox.put(self._answer_after_end(self._command))
+        leftover = [self._command, *self._pending]
+        self._pending.clear()
+        self._outbox.put(self._answer_after_end(leftover))
 
-    def _answer_after_end(self, command: Optional[Command]) -> WorkerReply:
+    def _answer_after_end(self, commands: list[Optional[Command]]) -> WorkerReply:
         assert self._ended is not None
-        if self._ended.failure is None and isinstance(command, Advance):
+        advance = next((command for command in commands if isinstance(command, Advance)), None)
+        if self._ended.failure is None and advance is not None:
             error = LockstepError(
-                f"The controller's loop reached `{command.hook}` but worker rank {self._rank} had"
+                f"The controller's loop reached `{advance.hook}` but worker rank {self._rank} had"
                 " already finished the stage. The two Lightning loops diverged."
             )
             return WorkerReply(rank=self._rank, failure=self._failure(error))

@@ -1,0 +1,70 @@
+"""The models the benchmark trains: an MLP sized for a target step time on a 2-core CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+#: (input features, hidden width, depth, batch size) per size; the step times are what these take
+#: on the 2-core development machine with 2 workers: about 3 ms, 30 ms and 200 ms.
+SIZES: dict[str, tuple[int, int, int, int]] = {
+    "small": (32, 64, 2, 32),
+    "medium": (256, 768, 4, 192),
+    "large": (512, 1536, 6, 256),
+}
+
+
+def make_network(size: str) -> nn.Module:
+    features, hidden, depth, _ = SIZES[size]
+    layers: list[nn.Module] = [nn.Linear(features, hidden), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(hidden, hidden), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(hidden, 10))
+
+
+def make_dataset(size: str, batches: int) -> TensorDataset:
+    features, _, _, batch_size = SIZES[size]
+    generator = torch.Generator().manual_seed(0)
+    count = batches * batch_size
+    return TensorDataset(torch.randn(count, features, generator=generator), torch.randint(0, 10, (count,), generator=generator))
+
+
+class BenchModel(L.LightningModule):
+    """A plain classifier, as most projects write one: loss logged every step."""
+
+    def __init__(self, size: str, batches: int) -> None:
+        super().__init__()
+        self.size, self.batches = size, batches
+        self.net = make_network(size)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).softmax(-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    def _loader(self) -> DataLoader:
+        return DataLoader(make_dataset(self.size, self.batches), batch_size=SIZES[self.size][3])
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader()
