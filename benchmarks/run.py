@@ -27,14 +27,23 @@ METRICS = ("step_ms", "first_step_s", "controller_peak_rss_mib", "worker_peak_rs
            "predict_samples_per_s")
 
 
-def run_one(mode: str, size: str, steps: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as scratch:
-        out = Path(scratch) / "result.json"
-        command = [sys.executable, "-m", "benchmarks.run_one", "--mode", mode, "--size", size,
-                   "--steps", str(steps), "--out", str(out)]
-        started = time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True, cwd=RESULTS.parent.parent, timeout=900)
-        result = json.loads(out.read_text())
+def run_one(mode: str, size: str, steps: int, attempts: int = 2) -> dict[str, Any]:
+    """One run in a fresh process; a run that fails is tried once more and the failure recorded."""
+    failures = []
+    for _ in range(attempts):
+        with tempfile.TemporaryDirectory() as scratch:
+            out = Path(scratch) / "result.json"
+            command = [sys.executable, "-m", "benchmarks.run_one", "--mode", mode, "--size", size,
+                       "--steps", str(steps), "--out", str(out)]
+            started = time.perf_counter()
+            done = subprocess.run(command, capture_output=True, text=True, cwd=RESULTS.parent.parent, timeout=900)
+            if done.returncode == 0:
+                result = json.loads(out.read_text())
+                break
+            failures.append(done.stderr[-2000:])
+    else:
+        raise RuntimeError(f"{mode} {size} failed {attempts} times:\n{failures[-1]}")
+    result["failed_attempts"] = failures
     result["wall_s"] = time.perf_counter() - started
     if isinstance(result.get("worker_peak_rss_mib"), list):
         result["worker_peak_rss_mib"] = max(result["worker_peak_rss_mib"])

@@ -119,7 +119,10 @@ def _torch_rank(rank: int, size: str, steps: int, port: int, out: str) -> None:
     if rank == 0:
         with open(out, "w") as handle:
             json.dump({"step_ms": 1000 * step_seconds(batch_ends), "worker_peak_rss_mib": [peak_rss_mib()]}, handle)
-    dist.destroy_process_group()
+    dist.barrier()
+    # Skip interpreter teardown: destroying DDP's reducer and the gloo group at exit can deadlock
+    # in torch 2.13 (the reducer's destructor joins a gloo thread that waits for the GIL).
+    os._exit(0)
 
 
 def run_torch(size: str, steps: int, out: str) -> None:
