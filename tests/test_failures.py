@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 
-from lightning_monarch import WorkerError
+from lightning_monarch import MeshFailureError, WorkerError
 from tests.conftest import worker_processes
 from tests.models import Classifier
 
@@ -92,4 +92,32 @@ def test_keyboard_interrupt_leaves_no_worker() -> None:
             _trainer(callbacks=[InterruptOnBatch()]).fit(Classifier())
     finally:
         signal.signal(signal.SIGINT, previous)
+    assert not worker_processes()
+
+
+class KillWorkerInValidation(L.Callback):
+    """SIGKILLs one worker process from the controller during the first validation batch."""
+
+    def __init__(self) -> None:
+        self.killed_at: float = 0.0
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.killed_at or trainer.sanity_checking:
+            return
+        worker_processes()[-1].send_signal(signal.SIGKILL)
+        self.killed_at = time.monotonic()
+
+
+class UnsyncedClassifier(FailingClassifier):
+    """No collective in validation, so the surviving rank does not notice the death itself."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", 0.0)
+
+
+def test_dead_worker_is_reported_within_seconds() -> None:
+    killer = KillWorkerInValidation()
+    with pytest.raises(MeshFailureError, match=r"(Worker rank [01]|A worker) stopped answering: its process died"):
+        _trainer(callbacks=[killer]).fit(UnsyncedClassifier(-1, "none"))
+    assert time.monotonic() - killer.killed_at < 5
     assert not worker_processes()

@@ -7,15 +7,21 @@ device and turns worker failures into :class:`~lightning_monarch.errors.WorkerEr
 from __future__ import annotations
 
 import logging
-import threading
+import os
+import re
 from typing import Any, Iterable, Optional, Union
 
-import monarch.actor
-from monarch.actor import ProcMesh, this_host
-from monarch.spmd import setup_torch_elastic_env
+# How often Monarch checks that worker processes are alive; its default (about 10 s) leaves a
+# controller waiting that long on a dead worker. Read when Monarch starts, so set before import.
+os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
-from lightning_monarch.errors import MeshFailureError, WorkerError
-from lightning_monarch.protocol import (
+import monarch.actor  # noqa: E402
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # noqa: E402
+from monarch.actor import ProcMesh, this_host  # noqa: E402
+from monarch.spmd import setup_torch_elastic_env  # noqa: E402
+
+from lightning_monarch.errors import MeshFailureError, WorkerError  # noqa: E402
+from lightning_monarch.protocol import (  # noqa: E402
     Advance,
     CheckpointState,
     Finish,
@@ -24,7 +30,7 @@ from lightning_monarch.protocol import (
     WorkerFailure,
     WorkerReply,
 )
-from lightning_monarch.worker.actor import MonarchWorker
+from lightning_monarch.worker.actor import MonarchWorker  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -32,30 +38,18 @@ log = logging.getLogger(__name__)
 _STOP_TIMEOUT_S = 30.0
 
 
-class _FaultLog:
+def _log_fault(failure: Any) -> None:
     """Replaces Monarch's ``unhandled_fault_hook``, whose default exits the controller.
 
-    Monarch calls the hook from its own thread when a worker process dies or an actor fails
-    outside a call. The failure is kept here and raised by the next call on the mesh.
+    Monarch calls it from its own thread when a worker process dies or an actor fails outside a
+    call. The failure also reaches the call waiting on that worker, as a ``SupervisionError`` that
+    ``WorkerMesh`` raises as ``MeshFailureError``; here it is only logged. A failure of an earlier,
+    already stopped mesh must not fail the next one.
     """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._failures: list[str] = []
-
-    def __call__(self, failure: Any) -> None:
-        log.error("Monarch reported a mesh failure: %s", failure)
-        with self._lock:
-            self._failures.append(str(failure))
-
-    def raise_if_failed(self) -> None:
-        with self._lock:
-            if self._failures:
-                raise MeshFailureError(f"The worker mesh failed: {self._failures[0]}")
+    log.warning("Monarch reported a worker mesh failure: %s", failure)
 
 
-_FAULTS = _FaultLog()
-monarch.actor.unhandled_fault_hook = _FAULTS
+monarch.actor.unhandled_fault_hook = _log_fault
 
 
 class WorkerMesh:
@@ -144,8 +138,15 @@ class WorkerMesh:
             log.warning("Stopping the worker mesh failed: %s", error)
 
     def _gather(self, futures: Iterable[Any]) -> list[Any]:
-        values = [self._check(future.get()) for future in futures]
-        _FAULTS.raise_if_failed()
+        try:
+            values = [self._check(future.get()) for future in futures]
+        except SupervisionError as error:
+            rank = re.search(r"'gpus': (\d+)/", str(error))
+            who = f"Worker rank {rank.group(1)}" if rank else "A worker"
+            raise MeshFailureError(
+                f"{who} stopped answering: its process died (killed, out of memory or crashed). Monarch"
+                f" reported: {str(error).splitlines()[0]}"
+            ) from error
         return values
 
     @staticmethod
