@@ -182,6 +182,13 @@ class CheckpointHooksClassifier(Classifier):
         self.restored_steps = checkpoint["steps_seen"]
 
 
+class SelfStoppingClassifier(Classifier):
+    """Brings its own EarlyStopping through ``configure_callbacks``."""
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        return [L.pytorch.callbacks.EarlyStopping(monitor="val_loss", min_delta=0.5, patience=1)]
+
+
 class TwoValLoaderClassifier(Classifier):
     """Two validation dataloaders, told apart by ``dataloader_idx``."""
 

@@ -91,6 +91,7 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "overfit_batches": lambda out: Case(
         models.Classifier(), {"overfit_batches": 2, "max_epochs": 4, "check_val_every_n_epoch": 2}
     ),
+    "configure_callbacks": lambda out: Case(compat.SelfStoppingClassifier(), {"max_epochs": 6}),
     "loop_flags": lambda out: Case(
         compat.TwoValLoaderClassifier(),
         {"limit_train_batches": 5, "val_check_interval": 2, "num_sanity_val_steps": 1, "max_steps": 9,
