@@ -118,6 +118,10 @@ RANK_LOCAL_HOOKS: frozenset[str] = frozenset({"module.prepare_data", "datamodule
 CONTROL_STATE: tuple[str, ...] = ("should_stop", "accumulate_grad_batches")
 
 
+#: The Trainer properties holding metrics that the controller's Trainer shows from rank 0.
+METRIC_VIEWS: tuple[str, ...] = ("callback_metrics", "progress_bar_metrics", "logged_metrics")
+
+
 def control_state(trainer: Any) -> dict[str, Any]:
     """The :data:`CONTROL_STATE` of ``trainer``."""
     return {name: getattr(trainer, name) for name in CONTROL_STATE}
@@ -273,9 +277,9 @@ class WorkerReply:
     """A worker's answer to an :class:`Advance`, :class:`Peek` or :class:`Finish`.
 
     Rank 0 fills the state fields (logger calls, optimizer hyperparameters, manual optimization's
-    step count, the values that ``update_eval_epoch_metrics`` returned, loader lengths) in every
-    reply the controller waits on;
-    other ranks send only what is per-rank (the ``result`` of ``predict_step``, a failure).
+    step count, the values that ``update_eval_epoch_metrics`` returned) in every reply the
+    controller waits on, and dataloader lengths and fetch counts in a ``Peek``'s reply; other
+    ranks send only what is per-rank (the ``result`` of ``predict_step``, a failure).
     """
 
     rank: int

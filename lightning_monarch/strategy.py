@@ -204,8 +204,9 @@ class MonarchStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = self._worker_state() if self._session is not None else None
-        return state.model if state is not None else super().lightning_module_state_dict()
+        if self._session is not None:
+            return self._session.checkpoint_state().model
+        return super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -74,10 +74,8 @@ class WorkerMesh:
             raise
 
     def start_stage(self, spec: StageSpec) -> None:
-        """Build every rank's Trainer for the stage ``spec`` describes."""
-        for failure in self._gather(self._workers.start_stage.stream(spec)):
-            if failure is not None:
-                raise WorkerError(failure)
+        """Build every rank's Trainer for the stage ``spec`` describes (a failure raises)."""
+        self._gather(self._workers.start_stage.stream(spec))
 
     def advance(self, command: Union[Advance, Peek, Finish]) -> Optional[list[WorkerReply]]:
         """Move every rank's loop; wait for the replies unless it is a fire-and-forget ``Advance``.

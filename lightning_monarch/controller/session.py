@@ -26,6 +26,7 @@ from lightning_monarch.controller.predictions import PredictionCollector
 from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.protocol import (
     DATAMODULE_HOOKS,
+    METRIC_VIEWS,
     MODULE_HOOKS,
     RESULT_HOOKS,
     Advance,
@@ -88,10 +89,8 @@ class StageSession:
 
     def around(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Runs at every gated hook call on the controller (L2-L5)."""
-        owner, hook = gate.split(".", 1)
-        base = getattr(_BASES[owner], hook).__get__(self._objects[owner]) if owner in _BASES else fn
         if self._replay is not None:
-            return self._nested(gate, base, args, kwargs)
+            return self._nested(gate, fn, args, kwargs)
         if self._ahead.get(gate):
             return self._materialize(gate, self._ahead[gate].popleft())
         replies = self._advance(Advance(gate, control_state(self._trainer), self._must_wait(gate)))
@@ -99,16 +98,22 @@ class StageSession:
         try:
             if gate in RESULT_HOOKS and replies is not None:
                 return self._result(gate, replies)
-            return base(*args, **kwargs)
+            return self._base(gate, fn)(*args, **kwargs)
         finally:
             for nested_gate, value in self._replay:
                 self._ahead.setdefault(nested_gate, deque()).append(value)
             self._replay = None
 
-    def _nested(self, gate: str, base: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _base(self, gate: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Lightning's own implementation of a gated hook, bound to the controller's object; for a
+        callback gate, the gate's no-op ``fn``."""
+        owner, hook = gate.split(".", 1)
+        return getattr(_BASES[owner], hook).__get__(self._objects[owner]) if owner in _BASES else fn
+
+    def _nested(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         assert self._replay is not None
         if gate not in RESULT_HOOKS:
-            return base(*args, **kwargs)
+            return self._base(gate, fn)(*args, **kwargs)
         if not self._replay or self._replay[0][0] != gate:
             recorded = self._replay[0][0] if self._replay else "nothing"
             raise LockstepError(f"The controller called `{gate}` inside a hook where the workers called {recorded}.")
@@ -218,7 +223,7 @@ class StageSession:
         """Let the workers finish the stage; take their final metrics and rank 0's module attributes,
         and after training their final state, which the controller's module then holds."""
         self._advance(Finish())
-        for view in ("callback_metrics", "progress_bar_metrics", "logged_metrics"):
+        for view in METRIC_VIEWS:
             getattr(self._trainer, view)
         module = self._objects["module"]
         vars(module).update(self._mesh.module_attributes())

@@ -127,7 +127,7 @@ class StageLoop:
             self._depth = 0
         command = self._command
         assert isinstance(command, Advance)
-        reply = self._reply(gate, full=command.wait)
+        reply = self._reply(gate, full=command.wait, loaders=False)
         if self._rank == 0 or gate == "module.predict_step":
             reply.result = describe_result(gate, result, self._trainer, args)
         reply.nested = self._nested
@@ -155,7 +155,7 @@ class StageLoop:
             if isinstance(command, Advance) and command.hook == gate:
                 return
             if isinstance(command, Peek):
-                self._answer(self._reply(gate, full=True))
+                self._answer(self._reply(gate, full=True, loaders=True))
             elif isinstance(command, Advance) and command.hook in RANK_LOCAL_HOOKS:
                 self._answer(WorkerReply(rank=self._rank, hook=command.hook, skipped=True))
             else:
@@ -205,7 +205,7 @@ class StageLoop:
             self._free_running = True
             self._ended = WorkerReply(rank=self._rank, failure=self._failure(error))
         else:
-            self._ended = self._reply(None, full=True)
+            self._ended = self._reply(None, full=True, loaders=True)
         leftover = [self._command, *self._pending]
         self._pending.clear()
         self._outbox.put(self._answer_after_end(leftover))
@@ -221,10 +221,10 @@ class StageLoop:
             return WorkerReply(rank=self._rank, failure=self._failure(error))
         return self._ended
 
-    def _reply(self, gate: Optional[str], full: bool) -> WorkerReply:
+    def _reply(self, gate: Optional[str], full: bool, loaders: bool) -> WorkerReply:
         reply = WorkerReply(rank=self._rank, hook=gate, control=control_state(self._trainer))
         if full:
-            self._reader.fill(reply)
+            self._reader.fill(reply, loaders)
         return reply
 
     def _failure(self, error: BaseException) -> WorkerFailure:

@@ -13,11 +13,9 @@ from lightning.pytorch import Trainer
 
 from lightning_monarch import _compat
 from lightning_monarch.gates import GateCallback
-from lightning_monarch.protocol import CheckpointState, LoggerCall, WorkerReply
+from lightning_monarch.protocol import METRIC_VIEWS, CheckpointState, LoggerCall, WorkerReply
 from lightning_monarch.worker.describe import param_group_hyperparameters, to_cpu
 
-#: The Trainer properties whose values the controller's Trainer shows.
-METRIC_VIEWS = ("callback_metrics", "progress_bar_metrics", "logged_metrics")
 
 
 class StateReader:
@@ -35,8 +33,9 @@ class StateReader:
         """This rank's LightningModule."""
         return self._trainer.lightning_module
 
-    def fill(self, reply: WorkerReply) -> None:
-        """Add what a reply the controller waits on carries besides the hook result (rank 0 only)."""
+    def fill(self, reply: WorkerReply, loaders: bool) -> None:
+        """Add what a reply the controller waits on carries besides the hook result (rank 0 only);
+        with ``loaders``, also the dataloader lengths and fetch counts that a ``Peek`` asks for."""
         if self._rank != 0:
             return
         reply.param_groups = [param_group_hyperparameters(optimizer) for optimizer in self._trainer.optimizers]
@@ -45,8 +44,9 @@ class StateReader:
         self._logger_calls.clear()
         reply.eval_outputs = to_cpu(self._eval_outputs[:])
         self._eval_outputs.clear()
-        reply.loader_lengths = _compat.combined_loader_lengths(self._trainer)
-        reply.fetched_batches = _compat.fetched_batches(self._trainer)
+        if loaders:
+            reply.loader_lengths = _compat.combined_loader_lengths(self._trainer)
+            reply.fetched_batches = _compat.fetched_batches(self._trainer)
 
     def read_metrics(self, view: str) -> Optional[dict[str, Any]]:
         """Read a metrics property as a callback on DDP rank 0 would at this point.
