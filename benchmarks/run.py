@@ -23,7 +23,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("monarch", "ddp", "ddp_spawn", "torch")
 #: Training steps per size: enough steady-state steps for a stable median.
 STEPS = {"small": 200, "medium": 60, "large": 25}
-METRICS = ("step_ms", "first_step_s", "controller_peak_rss_mib", "worker_peak_rss_mib", "validate_samples_per_s",
+METRICS = ("step_ms", "first_step_s", "warm_first_step_s", "controller_peak_rss_mib", "worker_peak_rss_mib", "validate_samples_per_s",
            "predict_samples_per_s")
 
 
@@ -69,8 +69,9 @@ def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
 def table(summary: dict[str, Any]) -> str:
     lines = [
         "| model | monarch ms/step | ddp ms/step | ddp_spawn ms/step | torch ms/step | monarch/ddp throughput | added ms/step"
-        " | first step monarch / ddp (s) | peak RSS controller / worker / ddp rank (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " | first step cold, monarch / ddp (s) | first step warm, monarch / ddp (s)"
+        " | peak RSS controller / worker / ddp rank (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, entry in summary.items():
         m = entry["medians"]
@@ -83,6 +84,7 @@ def table(summary: dict[str, Any]) -> str:
             f"| {size} | {get('monarch', 'step_ms')} | {get('ddp', 'step_ms')} | {get('ddp_spawn', 'step_ms')}"
             f" | {get('torch', 'step_ms')} | {entry['throughput_ratio_monarch_over_ddp']:.3f}"
             f" | {entry['controller_added_ms_per_step']:.1f} | {get('monarch', 'first_step_s')} / {get('ddp', 'first_step_s')}"
+            f" | {get('monarch', 'warm_first_step_s', '{:.2f}')} / {get('ddp', 'warm_first_step_s', '{:.2f}')}"
             f" | {get('monarch', 'controller_peak_rss_mib', '{:.0f}')} / {get('monarch', 'worker_peak_rss_mib', '{:.0f}')}"
             f" / {get('ddp', 'worker_peak_rss_mib', '{:.0f}')} |"
         )

@@ -41,7 +41,8 @@ def peak_rss_mib(pid: int | None = None) -> float:
 
 
 class StepClock(L.Callback):
-    """Records when each training batch ends; on the controller or on DDP's rank 0."""
+    """Records when each training batch ends; on the controller or on DDP's rank 0. Rank 0 writes
+    the times to the file ``BENCHMARK_CLOCK`` names when training ends."""
 
     def __init__(self) -> None:
         self.batch_ends: list[float] = []
@@ -63,30 +64,46 @@ def step_seconds(batch_ends: list[float]) -> float:
     return statistics.median(intervals)
 
 
-def run_lightning(mode: str, size: str, steps: int, out: str) -> dict[str, Any]:
-    os.environ["BENCHMARK_CLOCK"] = out + ".clock"
-    clock = StepClock()
+#: Where the Lightning modes run: ``--accelerator gpu --devices 1`` on a GPU machine.
+DEVICE = {"accelerator": "cpu", "devices": 2}
+
+
+def timed_fit(mode: str, size: str, steps: int, out: str) -> tuple[L.Trainer, BenchModel, dict[str, Any]]:
+    """One ``fit`` of ``steps`` steps; rank 0's clock (written by ``StepClock``) when this is rank 0."""
+    os.environ["BENCHMARK_CLOCK"] = out
     model = BenchModel(size, batches=steps + WARMUP_STEPS + 2)
     trainer = L.Trainer(
-        strategy=mode, accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
+        strategy=mode, **DEVICE, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[clock],
+        callbacks=[StepClock()],
     )
     started = time.perf_counter()
     trainer.fit(model)
-    fit_seconds = time.perf_counter() - started
-    result: dict[str, Any] = {"fit_s": fit_seconds, "controller_peak_rss_mib": peak_rss_mib()}
+    measured: dict[str, Any] = {"fit_s": time.perf_counter() - started}
     if trainer.is_global_zero:
-        with open(out + ".clock") as handle:
-            measured = json.load(handle)
+        with open(out) as handle:
+            clock = json.load(handle)
+        measured.update(first_step_s=clock["batch_ends"][0] - started, batch_ends=clock["batch_ends"],
+                        worker_peak_rss_mib=clock["worker_peak_rss"])
+    return trainer, model, measured
+
+
+def run_lightning(mode: str, size: str, steps: int, out: str) -> dict[str, Any]:
+    """A cold ``fit`` (new processes), a warm one (a new Trainer in the same process: ``monarch``
+    keeps its mesh, ``ddp`` its ranks, ``ddp_spawn`` starts new ones), then validate and predict."""
+    _, model, cold = timed_fit(mode, size, steps, out + ".cold")
+    trainer, _, warm = timed_fit(mode, size, WARMUP_STEPS + 2, out + ".warm")
+    result: dict[str, Any] = {"fit_s": cold["fit_s"], "controller_peak_rss_mib": peak_rss_mib()}
+    if trainer.is_global_zero:
         result.update(
-            step_ms=1000 * step_seconds(measured["batch_ends"]),
-            first_step_s=measured["batch_ends"][0] - started,
-            worker_peak_rss_mib=measured["worker_peak_rss"],
+            step_ms=1000 * step_seconds(cold["batch_ends"]),
+            first_step_s=cold["first_step_s"],
+            warm_first_step_s=warm["first_step_s"],
+            worker_peak_rss_mib=cold["worker_peak_rss_mib"],
         )
     batches = min(steps, 40)
-    samples = 2 * batches * SIZES[size][3]
-    eval_trainer = L.Trainer(strategy=mode, accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
+    samples = DEVICE["devices"] * batches * SIZES[size][3]
+    eval_trainer = L.Trainer(strategy=mode, **DEVICE, logger=False, enable_progress_bar=False,
                              enable_model_summary=False, limit_val_batches=batches, limit_predict_batches=batches)
     started = time.perf_counter()
     eval_trainer.validate(model, verbose=False)
@@ -142,7 +159,10 @@ def main() -> None:
     parser.add_argument("--size", choices=list(SIZES), required=True)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu for the Lightning modes")
+    parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
+    DEVICE.update(accelerator=args.accelerator, devices=args.devices)
     torch.set_num_threads(1)
     if args.mode == "torch":
         run_torch(args.size, args.steps, args.out)

@@ -1,8 +1,9 @@
-"""``MonarchLauncher``: brings the worker mesh up around one Trainer stage and down after it.
+"""``MonarchLauncher``: runs one Trainer stage on a worker mesh.
 
 Runs on the controller. Lightning hands every ``fit``/``validate``/``test``/``predict`` call to the
-strategy's launcher. Bad input is rejected here before any worker starts; the mesh is stopped
-when the stage ends, however it ends.
+strategy's launcher. Bad input is rejected here before any worker starts. The mesh comes from the
+warm pool (``controller.pool``) and goes back to it after a stage that ended cleanly; after any
+failure or interrupt it is stopped.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from torch.utils._pytree import tree_flatten
 from lightning_monarch import _compat
 from lightning_monarch.controller.callbacks import check_controller_callbacks, check_worker_callbacks
 from lightning_monarch.controller.checks import pack_for_workers
-from lightning_monarch.controller.mesh import WorkerMesh
 from lightning_monarch.controller.mirrors import plan_loaders
+from lightning_monarch.controller.pool import MESHES
 from lightning_monarch.controller.session import StageSession
 from lightning_monarch.gates import install_hook_gates
 from lightning_monarch.protocol import LoaderRef, LoggerIdentity, StageSpec, TrainerConfig
@@ -40,12 +41,13 @@ _LOADER_STAGES = {
     "test": {"dataloaders": "test"},
     "predict": {"dataloaders": "predict"},
 }
-#: Environment variables that make the workers' RNG match DDP ranks' (``seed_everything``).
+#: Environment variables that make the workers' RNG match DDP ranks' (``seed_everything``); sent
+#: unset too, so that a warm worker does not keep an earlier stage's seed.
 _SEED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 class MonarchLauncher(_compat.Launcher):
-    """Runs on the controller: one worker mesh per Trainer stage."""
+    """Runs on the controller: each Trainer stage on a worker mesh from the warm pool."""
 
     def __init__(self, strategy: "MonarchStrategy") -> None:
         self._strategy = strategy
@@ -75,10 +77,12 @@ class MonarchLauncher(_compat.Launcher):
         spec = self._stage_spec(stage, trainer, module, datamodule, loaders, arguments)
 
         silence = _silence_on_exception(datamodule)
-        mesh = WorkerMesh.spawn(self._strategy.num_workers)
+        key = self._strategy.mesh_key()
+        mesh = MESHES.acquire(key)
+        ended_cleanly = False
         try:
             mesh.start_stage(spec)
-            session = StageSession(trainer, mesh, module, datamodule, bool(self._strategy.worker_callbacks))
+            session = StageSession(trainer, mesh, module, datamodule, self._strategy.worker_callbacks)
             self._strategy.attach(session)
             with session.installed():
                 for name, value in loaders.items():
@@ -88,6 +92,7 @@ class MonarchLauncher(_compat.Launcher):
             if stage == "predict" and result is not None:
                 batch_sizes = [getattr(loader, "batch_size", None) for loader in tree_flatten(trainer.predict_dataloaders)[0]]
                 result = session.predictions.in_dataset_order(len(trainer.num_predict_batches), batch_sizes)
+            ended_cleanly = True
             return result
         except BaseException:
             self._strategy.keep_until_exception_handled(silence)
@@ -95,7 +100,7 @@ class MonarchLauncher(_compat.Launcher):
             raise
         finally:
             self._strategy.attach(None)
-            mesh.stop()
+            MESHES.release(key, mesh, keep=ended_cleanly and self._strategy.keep_warm)
             if silence is not None:
                 silence()
 
@@ -147,7 +152,7 @@ class MonarchLauncher(_compat.Launcher):
                 for logger in trainer.loggers
             ],
             sys_path=(script_dir,) if script_dir else (),
-            env={name: os.environ[name] for name in _SEED_ENV if name in os.environ},
+            env={name: os.environ.get(name) for name in _SEED_ENV},
         )
 
 

@@ -12,10 +12,16 @@ L2. A *gate* is a top-level call of a hook in :data:`MODULE_HOOKS`, :data:`DATAM
 L3. At each gate the controller sends one :class:`Advance`. A worker runs up to that gate, checks
     that it reached the same hook, runs it, and parks right after it. The work between two gates
     (Lightning's own bookkeeping) runs only when the next ``Advance`` arrives, so a worker never
-    acts on control state (:data:`CONTROL_STATE`) older than the controller's own decision.
+    acts on control state (:data:`CONTROL_STATE`) older than the controller's own decision. An
+    ``Advance`` carries only the control state the controller changed, so a change made by user
+    code on a worker is never overwritten before the controller has seen it.
 L4. Messages to one worker arrive in order. An ``Advance`` that the controller does not wait on is
     a fire-and-forget broadcast; its effects (logged values, logger calls) travel with the next
-    reply that the controller waits for.
+    reply that the controller waits for. A training batch's ``optimizer_step`` is one of them when
+    only the step's outputs would come back (see ``StageSession``): the controller's loop goes on
+    with a placeholder loss, the workers compute meanwhile, and the real outputs arrive with the
+    callbacks' ``on_train_batch_end``, before any controller callback reads them. At least one
+    reply per training batch arrives before the controller decides whether to go on.
 L5. User hooks run on the workers only. The controller runs only Lightning's base implementation
     of a hook, fed with what the workers returned.
 """
@@ -163,7 +169,8 @@ class StageSpec:
     trainer: TrainerConfig
     loggers: list["LoggerIdentity"]
     sys_path: tuple[str, ...]
-    env: dict[str, str]
+    #: Environment variables to set on the worker; ``None`` unsets one.
+    env: dict[str, Optional[str]]
 
 
 @dataclass(frozen=True)
@@ -192,7 +199,8 @@ class LoggerCall:
 
 @dataclass(frozen=True)
 class Advance:
-    """Run up to gate ``hook``, run it, park after it (L3). Carries the controller's control state."""
+    """Run up to gate ``hook``, run it, park after it (L3). Carries the control state the
+    controller changed since the last reply it took."""
 
     hook: str
     control: dict[str, Any]
@@ -216,6 +224,9 @@ class OptimizerRef:
     index: int
     class_name: str
     param_groups: list[dict[str, Any]]
+    #: Whether ``step(closure)`` calls the closure exactly once (torch's own optimizers, LBFGS
+    #: aside), so the controller knows how often to run its closure without asking.
+    single_closure: bool
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_monarch.accelerator import WorkerGPUAccelerator
+from lightning_monarch.controller.pool import MeshKey
 from lightning_monarch.controller.session import StageSession
 from lightning_monarch.launcher import MonarchLauncher
 from lightning_monarch.protocol import CheckpointState
@@ -40,6 +41,10 @@ class MonarchStrategy(ParallelStrategy):
         process_group_backend: the workers' ``torch.distributed`` backend; by default ``gloo`` on
             CPU and ``nccl`` on GPUs (RCCL on a ROCm build of torch).
         worker_callbacks: callbacks that need live parameters or gradients; they run on every worker.
+        keep_warm: keep the worker processes after a stage that ended cleanly, for the next
+            ``fit``/``validate``/``test``/``predict`` with the same devices and backend, in this
+            Trainer or another (``lightning_monarch.stop_meshes()`` or interpreter exit stops
+            them). ``False`` starts and stops a mesh for every stage.
         **ddp_kwargs: keyword arguments for ``DistributedDataParallel`` on the workers, as for
             ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``, ...).
     """
@@ -55,6 +60,7 @@ class MonarchStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         worker_callbacks: Optional[list[Callback]] = None,
+        keep_warm: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -72,6 +78,7 @@ class MonarchStrategy(ParallelStrategy):
             )
         self.process_group_backend = process_group_backend
         self.worker_callbacks = list(worker_callbacks or [])
+        self.keep_warm = keep_warm
         self.ddp_kwargs = ddp_kwargs
         self._num_nodes = 1
         self._layer_sync: Optional[Any] = None
@@ -98,6 +105,10 @@ class MonarchStrategy(ParallelStrategy):
     def worker_accelerator(self) -> str:
         """The accelerator the workers' Trainers use: ``"cuda"`` (CUDA or ROCm) or ``"cpu"``."""
         return "cuda" if isinstance(self.accelerator, (WorkerGPUAccelerator, CUDAAccelerator)) else "cpu"
+
+    def mesh_key(self) -> MeshKey:
+        """What a warm mesh must match to run this strategy's next stage."""
+        return MeshKey(self.num_workers, self.worker_accelerator, self.process_group_backend)
 
     @property
     def sync_batchnorm(self) -> bool:

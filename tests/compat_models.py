@@ -259,3 +259,24 @@ class CustomSamplerClassifier(Classifier):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(ClassificationData(40), batch_size=8, sampler=RankShardSampler(40))
+
+
+class StepOutputsClassifier(Classifier):
+    """A training step that returns extra outputs beside the loss, and asks to stop mid-epoch
+    from inside the step, as a guard against a diverging loss would."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        loss = super().training_step(batch, batch_idx)
+        if self.current_epoch == 1 and batch_idx == 3:
+            self.trainer.should_stop = True
+        return {"loss": loss, "batch_mean": batch[0].mean()}
+
+
+class OutputsRecorder(L.Callback):
+    """Records what ``on_train_batch_end`` receives as ``outputs`` (the parity tests compare it)."""
+
+    def __init__(self) -> None:
+        self.record: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.record.append({key: float(value) for key, value in outputs.items()})

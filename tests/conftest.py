@@ -1,4 +1,8 @@
-"""Fixtures shared by the test suite: a leak check around every test, and the ``ddp`` reference."""
+"""Fixtures shared by the test suite: a leak check around every test, and the ``ddp`` reference.
+
+Tests share the warm worker mesh that ``strategy="monarch"`` keeps between stages, as a notebook
+user's cells do; the leak check counts every other worker process as left behind.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import psutil
 import pytest
 
 import lightning_monarch  # noqa: F401 - registers strategy="monarch"
+from lightning_monarch.controller.pool import MESHES
 from tests.parity_cases import environment_for_ddp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,14 +30,20 @@ def worker_processes() -> list[psutil.Process]:
     ]
 
 
+def stray_workers() -> list[psutil.Process]:
+    """Worker processes that are not the warm mesh's."""
+    warm = set(MESHES.worker_pids())
+    return [process for process in worker_processes() if process.pid not in warm]
+
+
 @pytest.fixture(autouse=True)
 def no_worker_left_behind():
-    """Every test, passing or failing, must leave no Monarch worker process behind."""
+    """Every test, passing or failing, must leave no Monarch worker process behind but the warm mesh."""
     yield
     deadline = time.monotonic() + 10
-    while worker_processes() and time.monotonic() < deadline:
+    while stray_workers() and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = worker_processes()
+    left = stray_workers()
     for process in left:
         process.kill()
     assert not left, f"worker processes left behind: {[process.pid for process in left]}"

@@ -44,6 +44,9 @@ class Case:
     worker_callbacks: list[L.Callback] = field(default_factory=list)
     loaders: dict[str, Any] = field(default_factory=dict)
     stages: tuple[str, ...] = ("fit",)
+    #: ``False`` runs without the shared ``ModelCheckpoint`` and ``LearningRateMonitor``: no
+    #: controller callback then waits for the workers within a training batch.
+    default_callbacks: bool = True
 
 
 CASES: dict[str, Callable[[Path], Case]] = {
@@ -97,6 +100,11 @@ CASES: dict[str, Callable[[Path], Case]] = {
         {"limit_train_batches": 5, "val_check_interval": 2, "num_sanity_val_steps": 1, "max_steps": 9,
          "limit_val_batches": 3},
     ),
+    # the step's outputs arrive after the controller moved on (issue 4's deferred optimizer_step)
+    "step_outputs": lambda out: Case(compat.StepOutputsClassifier(), {"max_epochs": 3}, [compat.OutputsRecorder()]),
+    "stop_in_step": lambda out: Case(
+        compat.StepOutputsClassifier(), {"max_epochs": 3, "enable_checkpointing": False}, default_callbacks=False
+    ),
 }
 
 
@@ -117,9 +125,12 @@ def _strategy(name: str, case: Case) -> Any:
 
 
 def _trainer(strategy: str, out_dir: Path, case: Case, **overrides: Any) -> L.Trainer:
-    callbacks = [
+    defaults = [
         ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), monitor="val_loss", save_last=True),
         LearningRateMonitor(logging_interval="step"),
+    ]
+    callbacks = [
+        *(defaults if case.default_callbacks else []),
         *case.callbacks,
         *(case.worker_callbacks if strategy == "ddp" else []),
     ]
@@ -171,7 +182,8 @@ def run_case(name: str, strategy: str, out_dir: Path) -> Optional[dict[str, Any]
         progress_bar_metrics=dict(trainer.progress_bar_metrics),
         global_step=trainer.global_step,
         current_epoch=trainer.current_epoch,
-        best_model_score=_floats({"best": trainer.checkpoint_callback.best_model_score}).get("best"),
+        best_model_score=_floats({"best": getattr(trainer.checkpoint_callback, "best_model_score", None)}).get("best"),
+        callback_records=[callback.record for callback in case.callbacks if hasattr(callback, "record")],
         csv=(logs / "metrics.csv").read_text() if (logs / "metrics.csv").exists() else None,
         hparams=(logs / "hparams.yaml").read_text() if (logs / "hparams.yaml").exists() else None,
     )

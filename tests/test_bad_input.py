@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch import MonarchStrategy, WorkerGPUAccelerator
-from tests.conftest import worker_processes
+from tests.conftest import stray_workers
 from tests.models import Classifier
 
 
@@ -36,7 +36,7 @@ def _trainer(**kwargs: Any) -> L.Trainer:
 def _assert_raised_before_spawning(error: pytest.ExceptionInfo) -> None:
     frames = [frame.name for frame in traceback.extract_tb(error.tb)]
     assert "spawn" not in frames and "start_stage" not in frames, frames
-    assert not worker_processes()
+    assert not stray_workers()
 
 
 @pytest.mark.parametrize("devices", [0, -3, [0, 1], "two", 1.5])

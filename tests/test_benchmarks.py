@@ -21,6 +21,6 @@ def test_benchmark_run_writes_its_figures(tmp_path: Path) -> None:
         cwd=ROOT, check=True, capture_output=True, timeout=280,
     )
     result = json.loads(out.read_text())
-    assert {"step_ms", "first_step_s", "controller_peak_rss_mib", "worker_peak_rss_mib",
+    assert {"step_ms", "first_step_s", "warm_first_step_s", "controller_peak_rss_mib", "worker_peak_rss_mib",
             "validate_samples_per_s", "predict_samples_per_s"} <= set(result)
     assert len(result["worker_peak_rss_mib"]) == 2

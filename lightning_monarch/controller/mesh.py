@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 #: How long stopping a mesh may take before the controller gives up waiting on it.
 _STOP_TIMEOUT_S = 30.0
+#: How long an idle mesh may take to answer before the controller starts a new one instead.
+_PING_TIMEOUT_S = 5.0
 
 
 def _log_fault(failure: Any) -> None:
@@ -61,6 +63,8 @@ class WorkerMesh:
         self._rank0 = self._workers.slice(gpus=0)
         self._burst: list[Advance] = []
         self.num_workers = num_workers
+        #: Each rank's process ID, in rank order.
+        self.pids = [pid for _, pid in sorted(self._gather(self._workers.process_id.stream()))]
 
     @classmethod
     def spawn(cls, num_workers: int) -> "WorkerMesh":
@@ -77,6 +81,18 @@ class WorkerMesh:
         """Build every rank's Trainer for the stage ``spec`` describes (a failure raises)."""
         self._gather(self._workers.start_stage.stream(spec))
 
+    def end_stage(self) -> None:
+        """Let every rank drop the finished stage's Trainer, module and data."""
+        self._gather(self._workers.end_stage.stream())
+
+    def answers(self) -> bool:
+        """Whether every worker process still answers (an idle mesh may have lost one)."""
+        try:
+            self._gather(self._workers.process_id.stream(), timeout=_PING_TIMEOUT_S)
+        except Exception:  # dead, stopped or unreachable: the caller starts a new mesh
+            return False
+        return True
+
     def advance(self, command: Union[Advance, Peek, Finish]) -> Optional[list[WorkerReply]]:
         """Move every rank's loop; wait for the replies unless it is a fire-and-forget ``Advance``.
 
@@ -91,15 +107,16 @@ class WorkerMesh:
         replies = self._gather(self._workers.advance.stream(burst))
         return sorted(replies, key=lambda reply: reply.rank)
 
-    def _flush(self) -> None:
-        """Send the waiting burst ahead of a message that must see its effects."""
+    def flush(self) -> None:
+        """Send the waiting burst now: ahead of a message that must see its effects, or so that
+        the workers start on it while the controller goes on."""
         if self._burst:
             burst, self._burst = self._burst, []
             self._workers.advance.broadcast(burst)
 
     def read_metrics(self, view: str) -> dict[str, Any]:
         """Rank 0's ``trainer.<view>``; every rank takes part, for metrics synced across ranks."""
-        self._flush()
+        self.flush()
         values = [value for value in self._gather(self._workers.read_metrics.stream(view)) if value is not None]
         return values[0]
 
@@ -122,7 +139,7 @@ class WorkerMesh:
 
     def _call_rank0(self, endpoint: str, *args: Any) -> Any:
         """Call an out-of-band endpoint on rank 0, after the waiting burst."""
-        self._flush()
+        self.flush()
         return self._check(getattr(self._rank0, endpoint).call_one(*args).get())
 
     def stop(self) -> None:
@@ -135,9 +152,9 @@ class WorkerMesh:
         except Exception as error:  # the mesh may already be gone; stopping must not mask the cause
             log.warning("Stopping the worker mesh failed: %s", error)
 
-    def _gather(self, futures: Iterable[Any]) -> list[Any]:
+    def _gather(self, futures: Iterable[Any], timeout: Optional[float] = None) -> list[Any]:
         try:
-            values = [self._check(future.get()) for future in futures]
+            values = [self._check(future.get(timeout=timeout)) for future in futures]
         except SupervisionError as error:
             rank = re.search(r"'gpus': (\d+)/", str(error))
             who = f"Worker rank {rank.group(1)}" if rank else "A worker"

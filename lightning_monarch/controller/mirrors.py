@@ -26,9 +26,10 @@ class OptimizerMirror(torch.optim.Optimizer):
     the worker's optimizer class are made per class, so loggers see ``lr-Adam`` as under DDP.
     """
 
-    def __init__(self, param_groups: list[dict[str, Any]], closure_runs: Callable[[], int]) -> None:
-        super().__init__([{**group, "params": [_placeholder()]} for group in param_groups], defaults={})
+    def __init__(self, ref: OptimizerRef, closure_runs: Callable[[], int]) -> None:
+        super().__init__([{**group, "params": [_placeholder()]} for group in ref.param_groups], defaults={})
         self._closure_runs = closure_runs
+        self.single_closure = ref.single_closure
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The workers zero their gradients; the placeholders keep theirs, so that Lightning's
@@ -174,7 +175,7 @@ def optimizer_mirrors(description: Any, closure_runs: Callable[[], int], state: 
     def optimizer(ref: OptimizerRef) -> OptimizerMirror:
         if ref.index not in optimizers:
             cls = type(ref.class_name, (OptimizerMirror,), {"__module__": __name__})
-            optimizers[ref.index] = cls(ref.param_groups, closure_runs)
+            optimizers[ref.index] = cls(ref, closure_runs)
         return optimizers[ref.index]
 
     def scheduler(ref: SchedulerRef) -> Any:

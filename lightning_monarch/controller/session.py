@@ -35,9 +35,15 @@ from lightning_monarch.protocol import (
     Peek,
     WorkerReply,
     control_state,
+    gate_id,
 )
 
 _BASES = {"module": LightningModule, "datamodule": LightningDataModule}
+
+#: Gates of a training batch whose only result is the step's outputs (automatic optimization).
+_STEP_GATES = frozenset({"module.optimizer_step", "module.training_step"})
+#: Callback hooks that Lightning calls inside a training step, with the loss or after it.
+_IN_STEP_CALLBACK_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
 
 
 class LockstepError(RuntimeError):
@@ -48,13 +54,17 @@ class StageSession:
     """Runs on the controller: drives the workers through one stage in step with the local loop."""
 
     def __init__(self, trainer: Trainer, mesh: WorkerMesh, module: LightningModule,
-                 datamodule: Optional[LightningDataModule], worker_callbacks: bool) -> None:
+                 datamodule: Optional[LightningDataModule], worker_callbacks: list[Callback]) -> None:
         self._trainer = trainer
         self._worker_callbacks = worker_callbacks
         self._mesh = mesh
         self._objects = {"module": module, "datamodule": datamodule}
         self._gate_callback = GateCallback(self.around)
         self._wait: dict[str, bool] = {}
+        self._step_deferrable: Optional[bool] = None
+        self._deferred = False
+        self._unanswered = False
+        self._control: dict[str, Any] = {}
         self._replay: Optional[deque[tuple[str, Any]]] = None
         # Results of hooks the workers ran inside another hook, for the controller to take when its
         # own loop calls that hook later (``estimated_stepping_batches`` in ``configure_optimizers``
@@ -93,16 +103,26 @@ class StageSession:
             return self._nested(gate, fn, args, kwargs)
         if self._ahead.get(gate):
             return self._materialize(gate, self._ahead[gate].popleft())
-        replies = self._advance(Advance(gate, control_state(self._trainer), self._must_wait(gate)))
+        self._deferred = gate in _STEP_GATES and self._defers_step()
+        wait = not self._deferred and (self._must_wait(gate) or self._must_answer(gate))
+        replies = self._advance(Advance(gate, self._control_changes(), wait))
+        if self._deferred:
+            self._unanswered = True
+            self._mesh.flush()
         self._replay = deque(replies[0].nested if replies else ())
         try:
+            if replies is not None and gate == "callback.on_train_batch_end":
+                _fill_outputs(args[0], replies[0].result)
             if gate in RESULT_HOOKS and replies is not None:
                 return self._result(gate, replies)
+            if self._deferred and gate == "module.training_step":
+                return _pending_loss()
             return self._base(gate, fn)(*args, **kwargs)
         finally:
             for nested_gate, value in self._replay:
                 self._ahead.setdefault(nested_gate, deque()).append(value)
             self._replay = None
+            self._deferred = False
 
     def _base(self, gate: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Lightning's own implementation of a gated hook, bound to the controller's object; for a
@@ -114,6 +134,8 @@ class StageSession:
         assert self._replay is not None
         if gate not in RESULT_HOOKS:
             return self._base(gate, fn)(*args, **kwargs)
+        if self._deferred and gate == "module.training_step":
+            return _pending_loss()
         if not self._replay or self._replay[0][0] != gate:
             recorded = self._replay[0][0] if self._replay else "nothing"
             raise LockstepError(f"The controller called `{gate}` inside a hook where the workers called {recorded}.")
@@ -121,26 +143,57 @@ class StageSession:
 
     def closure_runs(self) -> int:
         """How many times the workers ran the optimizer closure in the hook being replayed."""
+        if self._deferred:
+            return 1
         return sum(gate == "module.training_step" for gate, _ in self._replay or ())
 
     def _must_wait(self, gate: str) -> bool:
         """Whether the controller needs anything back from gate ``gate`` (L4): the result or the
         effects of user code, or the state a controller callback on that hook may read. A hook the
-        user did not override returns what Lightning's base implementation returns here."""
+        user did not override returns what Lightning's base implementation returns here. A module
+        hook also waits for the worker callbacks of the same hook, which run just before it."""
         if gate not in self._wait:
             owner, hook = gate.split(".", 1)
             if gate == "module.optimizer_step":
                 wait = True
             elif owner in _BASES:
-                wait = is_overridden(hook, self._objects[owner], _BASES[owner])
-            else:
-                wait = any(
-                    is_overridden(hook, callback, Callback)
-                    for callback in self._trainer.callbacks
-                    if callback is not self._gate_callback
+                wait = is_overridden(hook, self._objects[owner], _BASES[owner]) or (
+                    owner == "module" and _any_overrides(hook, self._worker_callbacks)
                 )
+            else:
+                controller_callbacks = [cb for cb in self._trainer.callbacks if cb is not self._gate_callback]
+                wait = _any_overrides(hook, controller_callbacks)
             self._wait[gate] = wait
         return self._wait[gate]
+
+    def _defers_step(self) -> bool:
+        """Whether a training step's ``optimizer_step`` (or, while gradients accumulate, its
+        ``training_step``) may go without waiting (L4): nothing on the controller needs the step's
+        outputs before the callbacks' ``on_train_batch_end``. That holds under automatic
+        optimization with Lightning's own ``optimizer_step``, optimizers that call the closure
+        once, no gradient scaler, and no controller callback on a hook inside the step."""
+        if self._step_deferrable is None:
+            module = self._objects["module"]
+            self._step_deferrable = (
+                module.automatic_optimization
+                and not is_overridden("optimizer_step", module, LightningModule)
+                and all(getattr(optimizer, "single_closure", False) for optimizer in self._trainer.optimizers)
+                and getattr(self._trainer.precision_plugin, "scaler", None) is None
+                and not any(self._must_wait(gate_id("callback", hook)) for hook in _IN_STEP_CALLBACK_HOOKS)
+            )
+        return self._step_deferrable
+
+    def _must_answer(self, gate: str) -> bool:
+        """A training batch whose step went unanswered gets its reply at its last gate, before the
+        controller's loop decides whether to go on: user code on the workers may have asked to stop."""
+        return gate == "module.on_train_batch_end" and self._unanswered
+
+    def _control_changes(self) -> dict[str, Any]:
+        """The control state the controller changed since it last took the workers' (L3)."""
+        current = control_state(self._trainer)
+        changes = {name: value for name, value in current.items() if self._control.get(name, _UNSET) != value}
+        self._control = current
+        return changes
 
     def _result(self, gate: str, replies: list[WorkerReply]) -> Any:
         if gate == "module.predict_step":
@@ -174,6 +227,8 @@ class StageSession:
         trainer = self._trainer
         for name, value in reply.control.items():
             setattr(trainer, name, value)
+        self._control = dict(reply.control)
+        self._unanswered = False
         for call in reply.logger_calls:
             logger = trainer.loggers[call.logger_index]
             target = logger.experiment if call.method.startswith("experiment.") else logger
@@ -235,6 +290,26 @@ class StageSession:
                 for name, child in self._mesh.module_children().items():
                     setattr(module, name, child)
             module.load_state_dict(self.final_state.model)
+
+
+_UNSET = object()
+
+
+def _any_overrides(hook: str, callbacks: list[Callback]) -> bool:
+    return hasattr(Callback, hook) and any(is_overridden(hook, callback, Callback) for callback in callbacks)
+
+
+def _fill_outputs(outputs: Any, worker_outputs: Any) -> None:
+    """Give the controller's ``on_train_batch_end`` callbacks the batch outputs that rank 0
+    computed, in the dict that Lightning passes them, before any of them runs."""
+    if isinstance(outputs, dict) and isinstance(worker_outputs, dict):
+        outputs.clear()
+        outputs.update(worker_outputs)
+
+
+def _pending_loss() -> torch.Tensor:
+    """The loss of a training step whose result the workers send later (L4)."""
+    return torch.zeros((), requires_grad=True)
 
 
 def _as_list(callbacks: Any) -> list[Callback]:

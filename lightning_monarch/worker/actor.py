@@ -7,9 +7,11 @@ Failures travel back as :class:`WorkerFailure` values instead.
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any, Callable, Optional, Union
 
+import torch
 from monarch.actor import Actor, endpoint
 
 from lightning_monarch.protocol import (
@@ -34,6 +36,21 @@ class MonarchWorker(Actor):
     @property
     def _rank(self) -> int:
         return int(os.environ.get("RANK", "0"))
+
+    @endpoint
+    def process_id(self) -> tuple[int, int]:
+        """This worker's rank and process ID; answering at all shows the process is alive."""
+        return self._rank, os.getpid()
+
+    @endpoint
+    def end_stage(self) -> None:
+        """Drop the finished stage, so that a warm worker holds no model, optimizer or data."""
+        if self._stage is not None:
+            self._stage.join(timeout=5.0)
+        self._stage = None
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     @endpoint
     def start_stage(self, spec: StageSpec) -> Optional[WorkerFailure]:

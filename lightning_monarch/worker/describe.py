@@ -40,6 +40,8 @@ def describe_result(gate: str, result: Any, trainer: Trainer, args: tuple) -> An
         return _describe_optimizers(result)
     if hook.endswith("_dataloader"):
         return LoaderRef.describe(result)
+    if gate == "callback.on_train_batch_end":
+        return to_cpu(args[0])  # the batch's outputs, which the controller had to leave pending
     return result
 
 
@@ -63,6 +65,7 @@ def _describe_optimizers(value: Any) -> Any:
                 index=optimizer_index(item),
                 class_name=type(item).__name__,
                 param_groups=param_group_hyperparameters(item),
+                single_closure=_calls_closure_once(item),
             )
         if isinstance(item, _compat.LR_SCHEDULER_TYPES):
             return SchedulerRef(
@@ -77,6 +80,11 @@ def _describe_optimizers(value: Any) -> Any:
         return item
 
     return describe(value)
+
+
+def _calls_closure_once(optimizer: Optimizer) -> bool:
+    step = type(optimizer).step
+    return getattr(step, "__module__", "").startswith("torch.optim.") and not isinstance(optimizer, torch.optim.LBFGS)
 
 
 def param_group_hyperparameters(optimizer: Optimizer) -> list[dict[str, Any]]:

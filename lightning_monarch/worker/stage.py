@@ -52,7 +52,11 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
     for path in reversed(spec.sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)
-    os.environ.update(spec.env)
+    for name, value in spec.env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     module, datamodule, loaders, worker_callbacks = cloudpickle.loads(spec.payload)
 
     loop: StageLoop

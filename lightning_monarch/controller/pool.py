@@ -1,0 +1,95 @@
+"""Warm worker meshes: kept between Trainer stages and Trainers in the same process.
+
+Runs on the controller. Spawning a mesh takes seconds; a notebook user who calls ``fit``, then
+``validate``, then ``fit`` again with a new Trainer should pay that once. A mesh goes back to the
+pool only after a stage that ended cleanly; after any failure it is stopped, so a broken or
+half-finished worker is never reused. One idle mesh is kept at a time. ``stop_meshes()`` stops
+it, and so does interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from lightning_monarch.controller.mesh import WorkerMesh
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MeshKey:
+    """What a worker process fixes for its lifetime, so a mesh is reused only when all agree.
+
+    The ``torch.distributed`` process group is created by a worker's first stage and kept (as on
+    a DDP rank that runs several stages), so its backend belongs here.
+    """
+
+    num_workers: int
+    accelerator: str
+    process_group_backend: Optional[str]
+
+
+class MeshPool:
+    """Runs on the controller: hands out worker meshes and keeps one warm between stages."""
+
+    def __init__(self) -> None:
+        self._idle: Optional[tuple[MeshKey, WorkerMesh]] = None
+        self._stops_at_exit = False
+
+    def acquire(self, key: MeshKey) -> WorkerMesh:
+        """The idle mesh if it matches ``key`` and still answers; else a new one."""
+        idle, self._idle = self._idle, None
+        if idle is not None:
+            idle_key, mesh = idle
+            if idle_key == key and mesh.answers():
+                return mesh
+            mesh.stop()
+        return WorkerMesh.spawn(key.num_workers)
+
+    def release(self, key: MeshKey, mesh: WorkerMesh, keep: bool) -> None:
+        """Take ``mesh`` back after a stage: keep it warm if ``keep`` and it can end the stage
+        cleanly, else stop it."""
+        if keep:
+            try:
+                mesh.end_stage()
+            except Exception as error:  # a mesh that cannot end its stage is not worth keeping
+                log.warning("Stopping the worker mesh instead of keeping it warm: %s", error)
+            else:
+                self.stop()
+                self._idle = (key, mesh)
+                self._stop_at_exit()
+                return
+        mesh.stop()
+
+    def _stop_at_exit(self) -> None:
+        """Stop the idle mesh at interpreter exit. Registered once a mesh exists, after Monarch
+        registered its own client shutdown, so that it runs first (``atexit`` runs in reverse)."""
+        if not self._stops_at_exit:
+            atexit.register(self.stop)
+            self._stops_at_exit = True
+
+    def worker_pids(self) -> list[int]:
+        """The process IDs of the idle mesh's workers."""
+        return self._idle[1].pids if self._idle is not None else []
+
+    def stop(self) -> None:
+        """Stop the idle mesh, if there is one."""
+        idle, self._idle = self._idle, None
+        if idle is not None:
+            idle[1].stop()
+
+
+#: The controller process's pool; ``launcher`` takes its meshes from here.
+MESHES = MeshPool()
+
+
+def stop_meshes() -> None:
+    """Stop the warm worker mesh that ``strategy="monarch"`` keeps between stages, if any.
+
+    The next ``fit``/``validate``/``test``/``predict`` then starts a new one. Interpreter exit
+    stops it too.
+    """
+    MESHES.stop()

@@ -1,0 +1,92 @@
+"""The warm mesh: worker processes kept between stages and Trainers when the configuration agrees,
+replaced when it does not or when a worker died, and stopped on request and at interpreter exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import lightning as L
+import psutil
+import pytest
+
+import lightning_monarch
+from lightning_monarch import MonarchStrategy
+from lightning_monarch.controller.pool import MESHES
+from tests.conftest import ROOT, worker_processes
+from tests.models import Classifier
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _trainer(strategy: Any = "monarch", devices: int = 2) -> L.Trainer:
+    return L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, limit_train_batches=4,
+        limit_val_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def test_stages_and_trainers_share_one_mesh() -> None:
+    _trainer().fit(Classifier())
+    pids = MESHES.worker_pids()
+    assert len(pids) == 2 and sorted(pids) == sorted(p.pid for p in worker_processes())
+    trainer = _trainer()
+    trainer.fit(Classifier())
+    trainer.validate(Classifier(), verbose=False)
+    trainer.predict(Classifier())
+    assert MESHES.worker_pids() == pids
+    assert trainer.global_step == 4
+
+
+def test_other_devices_replace_the_mesh_and_stop_meshes_stops_it() -> None:
+    _trainer().fit(Classifier())
+    before = MESHES.worker_pids()
+    _trainer(devices=1).fit(Classifier())
+    after = MESHES.worker_pids()
+    assert len(after) == 1 and not set(after) & set(before)
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in before)
+    lightning_monarch.stop_meshes()
+    assert MESHES.worker_pids() == [] and not worker_processes()
+
+
+def test_keep_warm_false_stops_the_mesh_after_the_stage() -> None:
+    lightning_monarch.stop_meshes()
+    _trainer(MonarchStrategy(keep_warm=False)).fit(Classifier())
+    assert MESHES.worker_pids() == [] and not worker_processes()
+
+
+def test_a_dead_idle_worker_is_replaced() -> None:
+    _trainer().fit(Classifier())
+    dead = MESHES.worker_pids()[1]
+    os.kill(dead, signal.SIGKILL)
+    psutil.Process(dead).wait(10)
+    trainer = _trainer()
+    trainer.fit(Classifier())
+    assert trainer.global_step == 4 and dead not in MESHES.worker_pids()
+
+
+_EXITING_SCRIPT = """
+import lightning as L, lightning_monarch
+from lightning_monarch.controller.pool import MESHES
+from tests.models import Classifier
+L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=2,
+          limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+          enable_model_summary=False).fit(Classifier())
+print("PIDS", *MESHES.worker_pids(), flush=True)
+"""
+
+
+def test_interpreter_exit_stops_the_warm_mesh() -> None:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", _EXITING_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pids = [int(pid) for pid in done.stdout.split("PIDS", 1)[1].split()]
+    assert len(pids) == 2
+    assert time.monotonic() - started < 60
+    assert "Stopping the worker mesh failed" not in done.stderr
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
