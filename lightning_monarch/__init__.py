@@ -12,10 +12,17 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_monarch import _compat
 from lightning_monarch.accelerator import WorkerGPUAccelerator
 from lightning_monarch.controller.pool import stop_meshes
-from lightning_monarch.errors import MeshFailureError, WorkerError
+from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError
 from lightning_monarch.strategy import MonarchStrategy
 
-__all__ = ["MeshFailureError", "MonarchStrategy", "WorkerError", "WorkerGPUAccelerator", "stop_meshes"]
+__all__ = [
+    "MeshFailureError",
+    "MonarchStrategy",
+    "WorkerError",
+    "WorkerGPUAccelerator",
+    "WorkerTimeoutError",
+    "stop_meshes",
+]
 __version__ = "0.1.0"
 
 StrategyRegistry.register(

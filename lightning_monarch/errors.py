@@ -25,4 +25,14 @@ class WorkerError(RuntimeError):
 
 
 class MeshFailureError(RuntimeError):
-    """Monarch reported that a worker process or the mesh failed (a process died, for example)."""
+    """A worker process or the mesh failed: a process died (killed, out of memory, crashed), or
+    Monarch reported the mesh broken. ``ranks`` names the workers concerned, where known."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class WorkerTimeoutError(MeshFailureError):
+    """Workers did not answer within ``MonarchStrategy(step_timeout=...)``: alive but stuck, for
+    example in a collective that a peer never joined. ``ranks`` names those that did not answer."""

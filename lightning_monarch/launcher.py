@@ -79,9 +79,10 @@ class MonarchLauncher(_compat.Launcher):
         silence = _silence_on_exception(datamodule)
         key = self._strategy.mesh_key()
         mesh = MESHES.acquire(key)
+        mesh.step_timeout = self._strategy.step_timeout
         ended_cleanly = False
         try:
-            mesh.start_stage(spec)
+            mesh.start_stage(spec, self._strategy.max_restarts)
             session = StageSession(trainer, mesh, module, datamodule, self._strategy.worker_callbacks)
             self._strategy.attach(session)
             with session.installed():
@@ -100,7 +101,8 @@ class MonarchLauncher(_compat.Launcher):
             raise
         finally:
             self._strategy.attach(None)
-            MESHES.release(key, mesh, keep=ended_cleanly and self._strategy.keep_warm)
+            self._strategy.restarts += mesh.restarts
+            MESHES.release(key, mesh, keep=self._strategy.keep_warm, failed=not ended_cleanly)
             if silence is not None:
                 silence()
 

@@ -41,6 +41,12 @@ class MonarchStrategy(ParallelStrategy):
         process_group_backend: the workers' ``torch.distributed`` backend; by default ``gloo`` on
             CPU and ``nccl`` on GPUs (RCCL on a ROCm build of torch).
         worker_callbacks: callbacks that need live parameters or gradients; they run on every worker.
+        max_restarts: how many times a stage may replace its worker processes when one dies or
+            hangs: new processes replay the stage up to the failed step, bit for bit, and the run
+            goes on. ``0`` (the default) fails with ``MeshFailureError``.
+        step_timeout: seconds a message may wait for the workers before they count as hung
+            (``WorkerTimeoutError`` naming the ranks that did not answer, or a restart); ``None``
+            (the default) waits as long as a step takes.
         keep_warm: keep the worker processes after a stage that ended cleanly, for the next
             ``fit``/``validate``/``test``/``predict`` with the same devices and backend, in this
             Trainer or another (``lightning_monarch.stop_meshes()`` or interpreter exit stops
@@ -60,6 +66,8 @@ class MonarchStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         worker_callbacks: Optional[list[Callback]] = None,
+        max_restarts: int = 0,
+        step_timeout: Optional[float] = None,
         keep_warm: bool = True,
         **ddp_kwargs: Any,
     ) -> None:
@@ -78,6 +86,17 @@ class MonarchStrategy(ParallelStrategy):
             )
         self.process_group_backend = process_group_backend
         self.worker_callbacks = list(worker_callbacks or [])
+        if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+            raise ValueError(f"`MonarchStrategy(max_restarts={max_restarts!r})`: give a whole number >= 0.")
+        if step_timeout is not None and not (isinstance(step_timeout, (int, float)) and step_timeout > 0):
+            raise ValueError(
+                f"`MonarchStrategy(step_timeout={step_timeout!r})`: give a number of seconds > 0, or None to wait"
+                " as long as a step takes."
+            )
+        self.max_restarts = max_restarts
+        self.step_timeout = step_timeout
+        #: How many times this strategy's stages replaced their worker processes after a failure.
+        self.restarts = 0
         self.keep_warm = keep_warm
         self.ddp_kwargs = ddp_kwargs
         self._num_nodes = 1
@@ -197,6 +216,12 @@ class MonarchStrategy(ParallelStrategy):
         return decision
 
     # ----- state that lives on the workers ---------------------------------------------------
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process IDs of the stage's workers, in rank order (new ones after a restart); empty
+        outside a stage."""
+        return self._session.worker_pids if self._session is not None else []
 
     def attach(self, session: Optional[StageSession]) -> None:
         """Runs on the controller: the session of the stage in progress, or ``None`` after it."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
 # How often Monarch checks that worker processes are alive; its default (about 10 s) leaves a
@@ -20,7 +22,8 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import ProcMesh, this_host  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env  # noqa: E402
 
-from lightning_monarch.errors import MeshFailureError, WorkerError  # noqa: E402
+from lightning_monarch.controller.watch import POLL_S, ProcessWatch  # noqa: E402
+from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError  # noqa: E402
 from lightning_monarch.protocol import (  # noqa: E402
     Advance,
     CheckpointState,
@@ -54,35 +57,81 @@ def _log_fault(failure: Any) -> None:
 monarch.actor.unhandled_fault_hook = _log_fault
 
 
+@dataclass(frozen=True)
+class _Message:
+    """One message to the workers, kept in the stage's journal when restarts are allowed."""
+
+    endpoint: str
+    args: tuple[Any, ...] = ()
+    #: ``False``: a fire-and-forget broadcast.
+    wait: bool = True
+    #: Sent to rank 0 only.
+    rank0: bool = False
+    #: Whether a new mesh must receive it again to reach the same point: everything that moves or
+    #: changes the workers' state; not pure reads.
+    replay: bool = True
+
+
 class WorkerMesh:
-    """Runs on the controller: one process per device on this host, each with a ``MonarchWorker``."""
+    """Runs on the controller: one process per device on this host, each with a ``MonarchWorker``.
+
+    With restarts allowed (``start_stage(spec, max_restarts=k)``), it keeps the stage's messages in
+    a journal. When a worker process dies or hangs, it starts new processes, replays the journal
+    (the workers recompute the stage up to the failed message, bit for bit as before, since every
+    rank is seeded the same way) and sends the failed message again: the controller's loop never
+    sees the failure, and no step is lost or counted twice.
+    """
 
     def __init__(self, procs: ProcMesh, num_workers: int) -> None:
+        self.num_workers = num_workers
+        #: How long a message may wait for the workers before they count as hung; ``None`` waits.
+        self.step_timeout: Optional[float] = None
+        #: How many times this stage restarted the mesh.
+        self.restarts = 0
+        self._restarts_left = 0
+        self._journal: Optional[list[_Message]] = None
+        self._burst: list[Advance] = []
+        self._attach(procs)
+
+    def _attach(self, procs: ProcMesh) -> None:
         self._procs: Optional[ProcMesh] = procs
         self._workers = procs.spawn("lightning_monarch_worker", MonarchWorker)
         self._rank0 = self._workers.slice(gpus=0)
-        self._burst: list[Advance] = []
-        self.num_workers = num_workers
+        self._watch = ProcessWatch([])
+        self._watch = ProcessWatch(self._gather(self._workers.process_id.stream()))
         #: Each rank's process ID, in rank order.
-        self.pids = [pid for _, pid in sorted(self._gather(self._workers.process_id.stream()))]
+        self.pids = [self._watch.pids[rank] for rank in range(self.num_workers)]
+
+    @staticmethod
+    def _spawn_procs(num_workers: int) -> ProcMesh:
+        procs = this_host().spawn_procs(per_host={"gpus": num_workers})
+        try:
+            setup_torch_elastic_env(procs)
+        except BaseException:
+            procs.stop().get(timeout=_STOP_TIMEOUT_S)
+            raise
+        return procs
 
     @classmethod
     def spawn(cls, num_workers: int) -> "WorkerMesh":
         """Start ``num_workers`` worker processes and their torch elastic environment."""
-        procs = this_host().spawn_procs(per_host={"gpus": num_workers})
+        procs = cls._spawn_procs(num_workers)
         try:
-            setup_torch_elastic_env(procs)
             return cls(procs, num_workers)
         except BaseException:
             procs.stop().get(timeout=_STOP_TIMEOUT_S)
             raise
 
-    def start_stage(self, spec: StageSpec) -> None:
-        """Build every rank's Trainer for the stage ``spec`` describes (a failure raises)."""
-        self._gather(self._workers.start_stage.stream(spec))
+    def start_stage(self, spec: StageSpec, max_restarts: int = 0) -> None:
+        """Build every rank's Trainer for the stage ``spec`` describes (a failure raises). With
+        ``max_restarts`` > 0, a dead or hung worker is replaced up to that many times."""
+        self.restarts, self._restarts_left = 0, max_restarts
+        self._journal = [] if max_restarts > 0 else None
+        self._send(_Message("start_stage", (spec,)))
 
     def end_stage(self) -> None:
         """Let every rank drop the finished stage's Trainer, module and data."""
+        self._journal = None
         self._gather(self._workers.end_stage.stream())
 
     def answers(self) -> bool:
@@ -104,7 +153,7 @@ class WorkerMesh:
         if isinstance(command, Advance) and not command.wait:
             return None
         burst, self._burst = self._burst, []
-        replies = self._gather(self._workers.advance.stream(burst))
+        replies = self._send(_Message("advance", (burst,)))
         return sorted(replies, key=lambda reply: reply.rank)
 
     def flush(self) -> None:
@@ -112,13 +161,12 @@ class WorkerMesh:
         the workers start on it while the controller goes on."""
         if self._burst:
             burst, self._burst = self._burst, []
-            self._workers.advance.broadcast(burst)
+            self._send(_Message("advance", (burst,), wait=False))
 
     def read_metrics(self, view: str) -> dict[str, Any]:
         """Rank 0's ``trainer.<view>``; every rank takes part, for metrics synced across ranks."""
         self.flush()
-        values = [value for value in self._gather(self._workers.read_metrics.stream(view)) if value is not None]
-        return values[0]
+        return next(value for value in self._send(_Message("read_metrics", (view,))) if value is not None)
 
     def checkpoint_state(self) -> CheckpointState:
         """Rank 0's model, optimizer and LR-scheduler state at the point the loop has reached."""
@@ -135,34 +183,127 @@ class WorkerMesh:
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Run the worker callbacks' and module's ``on_save_checkpoint`` on rank 0; return the
         checkpoint they edited."""
-        return self._call_rank0("on_save_checkpoint", checkpoint)
+        return self._call_rank0("on_save_checkpoint", checkpoint, replay=True)
 
-    def _call_rank0(self, endpoint: str, *args: Any) -> Any:
-        """Call an out-of-band endpoint on rank 0, after the waiting burst."""
+    def _call_rank0(self, endpoint: str, *args: Any, replay: bool = False) -> Any:
+        """Call an endpoint on rank 0, after the waiting burst."""
         self.flush()
-        return self._check(getattr(self._rank0, endpoint).call_one(*args).get())
+        return self._send(_Message(endpoint, args, rank0=True, replay=replay))[0]
 
-    def stop(self) -> None:
-        """Stop every worker process. Idempotent; runs even when the workers are stuck."""
+    def stop(self, kill: bool = False) -> None:
+        """Stop every worker process. Idempotent. ``kill`` first kills the processes on this host
+        by process ID: after a failure they may be stuck (in a collective, or hung), and would not
+        stop when asked."""
         procs, self._procs = self._procs, None
         if procs is None:
             return
+        if kill:
+            self._watch.kill()
         try:
             procs.stop().get(timeout=_STOP_TIMEOUT_S)
         except Exception as error:  # the mesh may already be gone; stopping must not mask the cause
             log.warning("Stopping the worker mesh failed: %s", error)
 
+    # ----- delivery and recovery -------------------------------------------------------------
+
+    def _send(self, message: _Message) -> Any:
+        if message.replay and self._journal is not None:
+            self._journal.append(message)
+        while True:
+            try:
+                return self._deliver(message)
+            except MeshFailureError as failure:
+                self._recover(failure, self._journal[:-1] if message.replay and self._journal else self._journal)
+
+    def _deliver(self, message: _Message, replaying: bool = False) -> Any:
+        endpoint = getattr(self._rank0 if message.rank0 else self._workers, message.endpoint)
+        if not message.wait or (replaying and message.endpoint == "advance"):
+            endpoint.broadcast(*message.args)
+            return None
+        return self._gather(endpoint.stream(*message.args))
+
+    def _recover(self, failure: MeshFailureError, journal: Optional[list[_Message]]) -> None:
+        """Replace every worker process and replay ``journal`` on the new ones; raise ``failure``
+        when no restart is left."""
+        while True:
+            if journal is None or self._restarts_left <= 0:
+                raise failure
+            self._restarts_left -= 1
+            started = time.monotonic()
+            try:
+                self._replace_processes()
+                for message in journal:
+                    self._deliver(message, replaying=True)
+            except MeshFailureError as again:
+                failure = again
+                continue
+            self.restarts += 1
+            log.warning(
+                "lightning_monarch: recovered from a failure of worker rank(s) %s (%s): started %d new worker"
+                " processes and replayed this stage's %d messages from its start, in %.1f s (restart %d;"
+                " %d left).",
+                list(failure.ranks) or "unknown", str(failure).split(":")[0], self.num_workers, len(journal),
+                time.monotonic() - started, self.restarts, self._restarts_left,
+            )
+            return
+
+    def _replace_processes(self) -> None:
+        """Kill the old worker processes and start new ones in their place."""
+        self.stop(kill=True)
+        self._attach(self._spawn_procs(self.num_workers))
+
     def _gather(self, futures: Iterable[Any], timeout: Optional[float] = None) -> list[Any]:
+        """Every rank's answer, in the order they arrive. The first failing rank raises without
+        waiting for the others, which may be stuck in a collective; a dead worker process raises
+        ``MeshFailureError`` naming its rank, and a wait past ``timeout`` (by default
+        ``step_timeout``) raises ``WorkerTimeoutError`` naming the ranks that did not answer."""
+        limit = self.step_timeout if timeout is None else timeout
+        started = time.monotonic()
+        values: list[Any] = []
         try:
-            values = [self._check(future.get(timeout=timeout)) for future in futures]
+            for future in futures:
+                values.append(self._check(self._wait(future, started, limit, values)))
         except SupervisionError as error:
+            self._raise_if_dead()
             rank = re.search(r"'gpus': (\d+)/", str(error))
             who = f"Worker rank {rank.group(1)}" if rank else "A worker"
             raise MeshFailureError(
                 f"{who} stopped answering: its process died (killed, out of memory or crashed). Monarch"
-                f" reported: {str(error).splitlines()[0]}"
+                f" reported: {str(error).splitlines()[0]}",
+                (int(rank.group(1)),) if rank else (),
             ) from error
+        except WorkerError:
+            self._raise_if_dead()  # a peer's death shows first as a survivor's collective error
+            raise
         return values
+
+    def _wait(self, future: Any, started: float, limit: Optional[float], answered: list[Any]) -> Any:
+        """One answer; meanwhile, every :data:`~lightning_monarch.controller.watch.POLL_S`, check that
+        the worker processes live and that ``limit`` has not passed."""
+        while True:
+            try:
+                return future.get(timeout=POLL_S)
+            except TimeoutError:
+                self._raise_if_dead()
+                waited = time.monotonic() - started
+                if limit is not None and waited > limit:
+                    answered_ranks = {getattr(value, "rank", None) for value in answered}
+                    silent = tuple(rank for rank in range(self.num_workers) if rank not in answered_ranks)
+                    raise WorkerTimeoutError(
+                        f"Worker ranks {list(silent)} did not answer within {limit:g} s"
+                        f" (`MonarchStrategy(step_timeout={limit:g})`): their processes are alive but stuck,"
+                        " for example in a collective that a peer never joined. Raise `step_timeout` if a"
+                        " step legitimately takes longer.",
+                        silent,
+                    ) from None
+
+    def _raise_if_dead(self) -> None:
+        dead = tuple(self._watch.dead_ranks())
+        if dead:
+            pids = ", ".join(f"rank {rank} (pid {self._watch.pids[rank]})" for rank in dead)
+            raise MeshFailureError(
+                f"Worker {pids} died: killed, out of memory or crashed. The other workers were stopped.", dead
+            )
 
     @staticmethod
     def _check(value: Any) -> Any:

@@ -46,23 +46,24 @@ class MeshPool:
             idle_key, mesh = idle
             if idle_key == key and mesh.answers():
                 return mesh
-            mesh.stop()
+            mesh.stop(kill=True)
         return WorkerMesh.spawn(key.num_workers)
 
-    def release(self, key: MeshKey, mesh: WorkerMesh, keep: bool) -> None:
-        """Take ``mesh`` back after a stage: keep it warm if ``keep`` and it can end the stage
-        cleanly, else stop it."""
-        if keep:
+    def release(self, key: MeshKey, mesh: WorkerMesh, keep: bool, failed: bool) -> None:
+        """Take ``mesh`` back after a stage: keep it warm if ``keep`` and the stage did not fail,
+        else stop it, killing its processes if the stage failed."""
+        if keep and not failed:
             try:
                 mesh.end_stage()
             except Exception as error:  # a mesh that cannot end its stage is not worth keeping
                 log.warning("Stopping the worker mesh instead of keeping it warm: %s", error)
+                failed = True
             else:
                 self.stop()
                 self._idle = (key, mesh)
                 self._stop_at_exit()
                 return
-        mesh.stop()
+        mesh.stop(kill=failed)
 
     def _stop_at_exit(self) -> None:
         """Stop the idle mesh at interpreter exit. Registered once a mesh exists, after Monarch

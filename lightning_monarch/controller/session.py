@@ -255,6 +255,11 @@ class StageSession:
             raise LockstepError("The controller's evaluation loop ended an epoch that the workers did not end.")
         return self._eval_outputs.popleft()
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process IDs of the workers, in rank order."""
+        return list(self._mesh.pids)
+
     def read_metrics(self, view: str) -> dict[str, Any]:
         """Rank 0's ``trainer.<view>`` at the point both loops have reached."""
         return self._mesh.read_metrics(view)

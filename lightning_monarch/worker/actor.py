@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -38,9 +39,9 @@ class MonarchWorker(Actor):
         return int(os.environ.get("RANK", "0"))
 
     @endpoint
-    def process_id(self) -> tuple[int, int]:
-        """This worker's rank and process ID; answering at all shows the process is alive."""
-        return self._rank, os.getpid()
+    def process_id(self) -> tuple[int, int, str]:
+        """This worker's rank, process ID and host; answering at all shows the process is alive."""
+        return self._rank, os.getpid(), socket.gethostname()
 
     @endpoint
     def end_stage(self) -> None:
