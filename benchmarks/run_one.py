@@ -92,8 +92,8 @@ def run_lightning(mode: str, size: str, steps: int, out: str) -> dict[str, Any]:
     """A cold ``fit`` (new processes), a warm one (a new Trainer in the same process: ``monarch``
     keeps its mesh, ``ddp`` its ranks, ``ddp_spawn`` starts new ones), then validate and predict."""
     _, model, cold = timed_fit(mode, size, steps, out + ".cold")
+    result: dict[str, Any] = {"fit_s": cold["fit_s"], "controller_peak_rss_mib": peak_rss_mib()}  # one training run
     trainer, _, warm = timed_fit(mode, size, WARMUP_STEPS + 2, out + ".warm")
-    result: dict[str, Any] = {"fit_s": cold["fit_s"], "controller_peak_rss_mib": peak_rss_mib()}
     if trainer.is_global_zero:
         result.update(
             step_ms=1000 * step_seconds(cold["batch_ends"]),
