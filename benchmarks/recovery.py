@@ -7,7 +7,7 @@ Each case runs in a fresh process; the figures go to ``benchmarks/results/recove
 
 - ``monarch, max_restarts=0``: from the kill to ``MeshFailureError`` in the controller;
 - ``monarch, max_restarts=1``: from the kill to the next finished training step, the run going on
-  (new processes, and the stage replayed up to the failed step);
+  (new processes, resumed from the snapshot at the epoch's start, and the steps since replayed);
 - the alternative a user has today, restarting from the last checkpoint file: a new ``ddp`` run
   with ``fit(ckpt_path="last.ckpt")``, from its launch to its first step; the steps since that
   checkpoint are lost on top (half the checkpoint interval on average).
@@ -34,7 +34,8 @@ from benchmarks.models import BenchModel
 from lightning_monarch import MeshFailureError, MonarchStrategy
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SIZE, STEPS, KILL_AT, CHECKPOINT_EVERY = "medium", 60, 30, 20
+#: 10 steps per epoch (20 batches, 2 ranks); the kill lands 5 steps after the epoch-3 snapshot.
+SIZE, STEPS, BATCHES, KILL_AT, CHECKPOINT_EVERY = "medium", 60, 20, 35, 20
 
 
 class KillRank1(L.Callback):
@@ -75,13 +76,13 @@ def run_case(case: str, scratch: Path) -> dict[str, Any]:
         os.environ["BENCHMARK_FIRST_STEP"] = str(scratch / "first_step")
         trainer = _trainer("ddp", [FirstStep()], scratch / case, steps=KILL_AT + 2)
         # the last checkpoint the failed run wrote before its worker died
-        trainer.fit(BenchModel(SIZE, STEPS + 2), ckpt_path=str(scratch / "monarch_fail" / "last.ckpt"))
+        trainer.fit(BenchModel(SIZE, BATCHES), ckpt_path=str(scratch / "monarch_fail" / "last.ckpt"))
         return {}
     killer = KillRank1()
     restarts = 1 if case == "monarch_restart" else 0
     trainer = _trainer(MonarchStrategy(max_restarts=restarts), [killer], scratch / case)
     try:
-        trainer.fit(BenchModel(SIZE, STEPS + 2))
+        trainer.fit(BenchModel(SIZE, BATCHES))
     except MeshFailureError:
         return {"detected_s": time.monotonic() - killer.killed_at}
     assert killer.killed_at is not None and killer.resumed_at is not None
@@ -114,7 +115,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         results = {case: _in_fresh_process(case, Path(scratch))
                    for case in ("monarch_fail", "monarch_restart", "ddp_restart_from_checkpoint")}
-    results["setup"] = {"model": SIZE, "steps": STEPS, "killed_at_step": KILL_AT, "checkpoint_every": CHECKPOINT_EVERY}
+    results["setup"] = {"model": SIZE, "steps": STEPS, "steps_per_epoch": BATCHES // 2, "killed_at_step": KILL_AT,
+                        "checkpoint_every": CHECKPOINT_EVERY}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "recovery.json").write_text(json.dumps(results, indent=2))
     lost = (KILL_AT % CHECKPOINT_EVERY) or CHECKPOINT_EVERY
@@ -122,8 +124,8 @@ def main() -> None:
         "| what | seconds |",
         "|---|---|",
         f"| monarch, `max_restarts=0`: kill to `MeshFailureError` | {results['monarch_fail']['detected_s']:.2f} |",
-        f"| monarch, `max_restarts=1`: kill to the next finished step (detect, new processes, replay of"
-        f" {KILL_AT} steps) | {results['monarch_restart']['resumed_s']:.2f} |",
+        f"| monarch, `max_restarts=1`: kill to the next finished step (detect, new processes, resume from"
+        f" the epoch's snapshot, replay of {KILL_AT % (BATCHES // 2)} steps) | {results['monarch_restart']['resumed_s']:.2f} |",
         f"| `ddp` restarted from `last.ckpt`: launch to first step (not counting detection; {lost} steps"
         f" since the checkpoint lost) | {results['ddp_restart_from_checkpoint']['first_step_s']:.2f} |",
     ])

@@ -10,6 +10,7 @@ import functools
 from typing import Any, Callable, Optional
 
 from lightning.fabric.utilities.data import has_len
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -24,12 +25,18 @@ __all__ = [
     "LoggerConnector",
     "carry_fit_progress",
     "combined_loader_lengths",
+    "dump_checkpoint",
+    "end_restart",
     "fetched_batches",
     "manual_step_progress",
     "predict_batch_indices",
     "record_eval_epoch_metrics",
     "resolve_ckpt_path",
+    "restore_stored_metrics",
+    "rng_states",
     "route_accelerator",
+    "set_rng_states",
+    "stored_metrics",
     "trainer_flags",
 ]
 
@@ -92,6 +99,58 @@ def carry_fit_progress(trainer: Trainer, state: dict[str, Any]) -> None:
                 carry(child, f"{prefix}{name}.")
 
     carry(trainer.fit_loop, "")
+
+
+def dump_checkpoint(trainer: Trainer) -> dict[str, Any]:
+    """The checkpoint ``trainer.save_checkpoint`` would write, as a dict (runs the
+    ``on_save_checkpoint`` hooks, as a save does)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def end_restart(trainer: Trainer) -> None:
+    """From here on, let a Trainer resumed from a checkpoint run its fit loops as ordinary loops:
+    clear the restart flags that loading the checkpoint set, as the end of an iteration does.
+    Called at the start of a training epoch, where the resumed loops have reached what the
+    original loops had; ordinary loops then reset the epoch and make its data iterator (which
+    draws from the random state) exactly as the original did."""
+
+    def clear(loop: _Loop) -> None:
+        loop._restarting = False
+        loop._loaded_from_state_dict = False
+        loop._resuming_from_checkpoint = False
+        loop.reset_restart_stage()
+        for child in vars(loop).values():
+            if isinstance(child, _Loop):
+                clear(child)
+
+    clear(trainer.fit_loop)
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's torch, CUDA, numpy and Python random states."""
+    return _collect_rng_states()
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Set this process's random states to ``states`` from :func:`rng_states`."""
+    _set_rng_states(states)
+
+
+#: Where the logger connector keeps the values behind ``trainer.callback_metrics`` and the like.
+_METRIC_STORES = ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics")
+
+
+def stored_metrics(trainer: Trainer) -> dict[str, dict[str, Any]]:
+    """Copies of the metric values the Trainer holds between epochs (not in a checkpoint)."""
+    return {name: dict(getattr(trainer._logger_connector, name)) for name in _METRIC_STORES}
+
+
+def restore_stored_metrics(trainer: Trainer, stored: dict[str, dict[str, Any]]) -> None:
+    """Put back the values :func:`stored_metrics` copied."""
+    for name, values in stored.items():
+        store = getattr(trainer._logger_connector, name)
+        store.clear()
+        store.update(values)
 
 
 def manual_step_progress(trainer: Trainer) -> Any:

@@ -82,7 +82,7 @@ class MonarchLauncher(_compat.Launcher):
         mesh.step_timeout = self._strategy.step_timeout
         ended_cleanly = False
         try:
-            mesh.start_stage(spec, self._strategy.max_restarts)
+            mesh.start_stage(spec, self._strategy.max_restarts, self._strategy.snapshot_every_n_epochs)
             session = StageSession(trainer, mesh, module, datamodule, self._strategy.worker_callbacks)
             self._strategy.attach(session)
             with session.installed():

@@ -124,6 +124,11 @@ RANK_LOCAL_HOOKS: frozenset[str] = frozenset({"module.prepare_data", "datamodule
 CONTROL_STATE: tuple[str, ...] = ("should_stop", "accumulate_grad_batches")
 
 
+#: The gate where a training stage is snapshotted for recovery: the start of a training epoch,
+#: the boundary from which Lightning resumes a checkpoint exactly (it cannot resume mid-epoch at
+#: an exact batch). The snapshot is read while the workers are parked right after this gate.
+SNAPSHOT_GATE = "callback.on_train_epoch_start"
+
 #: The Trainer properties holding metrics that the controller's Trainer shows from rank 0.
 METRIC_VIEWS: tuple[str, ...] = ("callback_metrics", "progress_bar_metrics", "logged_metrics")
 
@@ -152,6 +157,29 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class RankSnapshot:
+    """One rank's part of a snapshot: what a Lightning checkpoint does not hold (the random
+    states, the module's public attributes, the Trainer's stored metric values), and on rank 0
+    the checkpoint itself (``torch.save`` bytes), all read at :data:`SNAPSHOT_GATE`."""
+
+    rank: int
+    rng: dict[str, Any]
+    attributes: dict[str, Any]
+    metrics: dict[str, dict[str, Any]]
+    checkpoint: Optional[bytes]
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a replacement worker's stage starts: Lightning's own resume from ``checkpoint``, run
+    without gates up to :data:`SNAPSHOT_GATE`, where each rank takes back its random states and
+    module attributes from ``ranks``; from there the controller replays its journal."""
+
+    checkpoint: bytes
+    ranks: tuple[RankSnapshot, ...]
+
+
+@dataclass(frozen=True)
 class StageSpec:
     """Everything a worker needs to run one Trainer stage: sent once per stage.
 
@@ -171,6 +199,8 @@ class StageSpec:
     sys_path: tuple[str, ...]
     #: Environment variables to set on the worker; ``None`` unsets one.
     env: dict[str, Optional[str]]
+    #: Set when new workers replace failed ones: the snapshot they resume from.
+    resume: Optional[ResumePoint] = None
 
 
 @dataclass(frozen=True)

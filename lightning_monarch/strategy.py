@@ -8,6 +8,7 @@ The real collectives run among the workers, inside each worker's own ``DDPStrate
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -22,6 +23,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_monarch.accelerator import WorkerGPUAccelerator
+from lightning_monarch.controller.devices import pinned_environments
 from lightning_monarch.controller.pool import MeshKey
 from lightning_monarch.controller.session import StageSession
 from lightning_monarch.launcher import MonarchLauncher
@@ -44,6 +46,10 @@ class MonarchStrategy(ParallelStrategy):
         max_restarts: how many times a stage may replace its worker processes when one dies or
             hangs: new processes replay the stage up to the failed step, bit for bit, and the run
             goes on. ``0`` (the default) fails with ``MeshFailureError``.
+        snapshot_every_n_epochs: with ``max_restarts``, how often (in training epochs) the
+            controller keeps a snapshot of the workers' state in memory, so that a recovery
+            replays only the steps since the last one; epoch starts are where Lightning resumes
+            exactly.
         step_timeout: seconds a message may wait for the workers before they count as hung
             (``WorkerTimeoutError`` naming the ranks that did not answer, or a restart); ``None``
             (the default) waits as long as a step takes.
@@ -67,6 +73,7 @@ class MonarchStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         worker_callbacks: Optional[list[Callback]] = None,
         max_restarts: int = 0,
+        snapshot_every_n_epochs: int = 1,
         step_timeout: Optional[float] = None,
         keep_warm: bool = True,
         **ddp_kwargs: Any,
@@ -93,7 +100,12 @@ class MonarchStrategy(ParallelStrategy):
                 f"`MonarchStrategy(step_timeout={step_timeout!r})`: give a number of seconds > 0, or None to wait"
                 " as long as a step takes."
             )
+        if not isinstance(snapshot_every_n_epochs, int) or snapshot_every_n_epochs < 1:
+            raise ValueError(
+                f"`MonarchStrategy(snapshot_every_n_epochs={snapshot_every_n_epochs!r})`: give a whole number >= 1."
+            )
         self.max_restarts = max_restarts
+        self.snapshot_every_n_epochs = snapshot_every_n_epochs
         self.step_timeout = step_timeout
         #: How many times this strategy's stages replaced their worker processes after a failure.
         self.restarts = 0
@@ -127,7 +139,16 @@ class MonarchStrategy(ParallelStrategy):
 
     def mesh_key(self) -> MeshKey:
         """What a warm mesh must match to run this strategy's next stage."""
-        return MeshKey(self.num_workers, self.worker_accelerator, self.process_group_backend)
+        if self.worker_accelerator == "cuda":
+            indices = [device.index or 0 for device in self.parallel_devices or ()]
+            environments = pinned_environments(indices, os.environ, rocm=torch.version.hip is not None)
+        else:
+            environments = [{} for _ in range(self.num_workers)]
+        return MeshKey(
+            self.worker_accelerator,
+            self.process_group_backend,
+            tuple(tuple(sorted(environment.items())) for environment in environments),
+        )
 
     @property
     def sync_batchnorm(self) -> bool:

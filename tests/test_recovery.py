@@ -52,15 +52,21 @@ def _fit(out: Path, strategy: MonarchStrategy, callbacks: list[L.Callback]) -> t
     return trainer, model
 
 
-def test_killed_worker_is_replaced_and_the_run_ends_as_if_undisturbed(tmp_path: Path, caplog: Any) -> None:
+@pytest.mark.parametrize(
+    ("step", "origin"),
+    [(3, "the start of the stage"), (8, "the snapshot at the start of epoch 1")],  # 6 steps per epoch
+)
+def test_killed_worker_is_replaced_and_the_run_ends_as_if_undisturbed(
+    tmp_path: Path, caplog: Any, step: int, origin: str
+) -> None:
     reference, reference_model = _fit(tmp_path / "undisturbed", MonarchStrategy(max_restarts=1), [])
-    killer = KillRank(rank=1, step=8)
+    killer = KillRank(rank=1, step=step)
     with caplog.at_level(logging.WARNING, logger="lightning_monarch.controller.mesh"):
         trainer, model = _fit(tmp_path / "killed", MonarchStrategy(max_restarts=1), [killer])
     assert killer.killed_at is not None and killer.resumed_at is not None
     assert trainer.strategy.restarts == 1 and reference.strategy.restarts == 0
     recovered = [record.getMessage() for record in caplog.records if "recovered" in record.getMessage()]
-    assert len(recovered) == 1 and "rank(s) [1]" in recovered[0], recovered
+    assert len(recovered) == 1 and "rank(s) [1]" in recovered[0] and origin in recovered[0], recovered
     assert trainer.global_step == reference.global_step == 18
     for key, value in reference_model.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key

@@ -6,6 +6,7 @@ device and turns worker failures into :class:`~lightning_monarch.errors.WorkerEr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -19,7 +20,7 @@ os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
 import monarch.actor  # noqa: E402
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # noqa: E402
-from monarch.actor import ProcMesh, this_host  # noqa: E402
+from monarch.actor import ProcMesh, default_bootstrap_cmd, this_host  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env  # noqa: E402
 
 from lightning_monarch.controller.watch import POLL_S, ProcessWatch  # noqa: E402
@@ -29,6 +30,7 @@ from lightning_monarch.protocol import (  # noqa: E402
     CheckpointState,
     Finish,
     Peek,
+    ResumePoint,
     StageSpec,
     WorkerFailure,
     WorkerReply,
@@ -82,8 +84,9 @@ class WorkerMesh:
     sees the failure, and no step is lost or counted twice.
     """
 
-    def __init__(self, procs: ProcMesh, num_workers: int) -> None:
-        self.num_workers = num_workers
+    def __init__(self, procs: ProcMesh, environments: list[dict[str, str]]) -> None:
+        self.num_workers = len(environments)
+        self._environments = environments
         #: How long a message may wait for the workers before they count as hung; ``None`` waits.
         self.step_timeout: Optional[float] = None
         #: How many times this stage restarted the mesh.
@@ -103,8 +106,14 @@ class WorkerMesh:
         self.pids = [self._watch.pids[rank] for rank in range(self.num_workers)]
 
     @staticmethod
-    def _spawn_procs(num_workers: int) -> ProcMesh:
-        procs = this_host().spawn_procs(per_host={"gpus": num_workers})
+    def _spawn_procs(environments: list[dict[str, str]]) -> ProcMesh:
+        """One process per entry of ``environments``, each started with those variables set (its
+        GPU's visibility; see ``controller.devices``)."""
+        command = default_bootstrap_cmd()
+        procs = this_host().spawn_procs(
+            per_host={"gpus": len(environments)},
+            bootstrap_command=(lambda point: command.with_env(environments[point["gpus"]])) if any(environments) else None,
+        )
         try:
             setup_torch_elastic_env(procs)
         except BaseException:
@@ -113,21 +122,42 @@ class WorkerMesh:
         return procs
 
     @classmethod
-    def spawn(cls, num_workers: int) -> "WorkerMesh":
-        """Start ``num_workers`` worker processes and their torch elastic environment."""
-        procs = cls._spawn_procs(num_workers)
+    def spawn(cls, environments: list[dict[str, str]]) -> "WorkerMesh":
+        """Start one worker process per entry of ``environments`` (extra environment variables for
+        that local rank), and their torch elastic environment."""
+        procs = cls._spawn_procs(environments)
         try:
-            return cls(procs, num_workers)
+            return cls(procs, environments)
         except BaseException:
             procs.stop().get(timeout=_STOP_TIMEOUT_S)
             raise
 
-    def start_stage(self, spec: StageSpec, max_restarts: int = 0) -> None:
+    def start_stage(self, spec: StageSpec, max_restarts: int = 0, snapshot_every_n_epochs: int = 1) -> None:
         """Build every rank's Trainer for the stage ``spec`` describes (a failure raises). With
-        ``max_restarts`` > 0, a dead or hung worker is replaced up to that many times."""
+        ``max_restarts`` > 0, a dead or hung worker is replaced up to that many times, from a
+        snapshot taken every ``snapshot_every_n_epochs`` training epochs."""
         self.restarts, self._restarts_left = 0, max_restarts
+        self._snapshot_every = snapshot_every_n_epochs
         self._journal = [] if max_restarts > 0 else None
+        self._origin = "the start of the stage"
         self._send(_Message("start_stage", (spec,)))
+
+    def snapshot(self, epoch: int) -> None:
+        """At :data:`~lightning_monarch.protocol.SNAPSHOT_GATE` of training epoch ``epoch``: when
+        restarts are allowed and the interval has come, read every rank's snapshot where the
+        workers are parked and start the journal anew from it, so that a recovery replays only the
+        messages since. Costs a checkpoint's worth of bytes from rank 0 per snapshot."""
+        if self._journal is None or epoch == 0 or epoch % self._snapshot_every:
+            return
+        self.flush()
+        ranks = sorted(self._send(_Message("snapshot", replay=False)), key=lambda snapshot: snapshot.rank)
+        spec = self._journal[0].args[0]
+        resume = ResumePoint(
+            checkpoint=ranks[0].checkpoint,
+            ranks=tuple(dataclasses.replace(snapshot, checkpoint=None) for snapshot in ranks),
+        )
+        self._journal = [_Message("start_stage", (dataclasses.replace(spec, resume=resume),))]
+        self._origin = f"the snapshot at the start of epoch {epoch}"
 
     def end_stage(self) -> None:
         """Let every rank drop the finished stage's Trainer, module and data."""
@@ -240,17 +270,16 @@ class WorkerMesh:
             self.restarts += 1
             log.warning(
                 "lightning_monarch: recovered from a failure of worker rank(s) %s (%s): started %d new worker"
-                " processes and replayed this stage's %d messages from its start, in %.1f s (restart %d;"
-                " %d left).",
+                " processes and replayed %d messages from %s, in %.1f s (restart %d; %d left).",
                 list(failure.ranks) or "unknown", str(failure).split(":")[0], self.num_workers, len(journal),
-                time.monotonic() - started, self.restarts, self._restarts_left,
+                self._origin, time.monotonic() - started, self.restarts, self._restarts_left,
             )
             return
 
     def _replace_processes(self) -> None:
         """Kill the old worker processes and start new ones in their place."""
         self.stop(kill=True)
-        self._attach(self._spawn_procs(self.num_workers))
+        self._attach(self._spawn_procs(self._environments))
 
     def _gather(self, futures: Iterable[Any], timeout: Optional[float] = None) -> list[Any]:
         """Every rank's answer, in the order they arrive. The first failing rank raises without

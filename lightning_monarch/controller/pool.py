@@ -24,12 +24,15 @@ class MeshKey:
     """What a worker process fixes for its lifetime, so a mesh is reused only when all agree.
 
     The ``torch.distributed`` process group is created by a worker's first stage and kept (as on
-    a DDP rank that runs several stages), so its backend belongs here.
+    a DDP rank that runs several stages), so its backend belongs here; so do the environment
+    variables each process started with (its GPU's visibility).
     """
 
-    num_workers: int
     accelerator: str
     process_group_backend: Optional[str]
+    #: Per local rank, the extra environment variables its process starts with, as sorted items.
+    environments: tuple[tuple[tuple[str, str], ...], ...]
+
 
 
 class MeshPool:
@@ -47,7 +50,7 @@ class MeshPool:
             if idle_key == key and mesh.answers():
                 return mesh
             mesh.stop(kill=True)
-        return WorkerMesh.spawn(key.num_workers)
+        return WorkerMesh.spawn([dict(environment) for environment in key.environments])
 
     def release(self, key: MeshKey, mesh: WorkerMesh, keep: bool, failed: bool) -> None:
         """Take ``mesh`` back after a stage: keep it warm if ``keep`` and the stage did not fail,

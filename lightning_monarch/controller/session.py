@@ -29,6 +29,7 @@ from lightning_monarch.protocol import (
     METRIC_VIEWS,
     MODULE_HOOKS,
     RESULT_HOOKS,
+    SNAPSHOT_GATE,
     Advance,
     CheckpointState,
     Finish,
@@ -109,6 +110,8 @@ class StageSession:
         if self._deferred:
             self._unanswered = True
             self._mesh.flush()
+        if gate == SNAPSHOT_GATE:
+            self._mesh.snapshot(self._trainer.current_epoch)
         self._replay = deque(replies[0].nested if replies else ())
         try:
             if replies is not None and gate == "callback.on_train_batch_end":

@@ -20,6 +20,7 @@ from lightning_monarch.protocol import (
     CheckpointState,
     Finish,
     Peek,
+    RankSnapshot,
     StageSpec,
     WorkerFailure,
     WorkerReply,
@@ -76,6 +77,11 @@ class MonarchWorker(Actor):
     def read_metrics(self, view: str) -> Union[Optional[dict[str, Any]], WorkerFailure]:
         """Read ``trainer.<view>`` where the loop is parked (all ranks; rank 0's value returns)."""
         return self._out_of_band(lambda reader: reader.read_metrics(view), f"trainer.{view}")
+
+    @endpoint
+    def snapshot(self) -> Union[RankSnapshot, WorkerFailure]:
+        """This rank's part of a recovery snapshot, where the loop is parked."""
+        return self._out_of_band(lambda reader: reader.snapshot(), "snapshot")
 
     @endpoint
     def checkpoint_state(self) -> Union[CheckpointState, WorkerFailure]:

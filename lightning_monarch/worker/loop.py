@@ -20,9 +20,11 @@ from lightning.pytorch import Trainer
 from lightning_monarch.protocol import (
     RANK_LOCAL_HOOKS,
     RESULT_HOOKS,
+    SNAPSHOT_GATE,
     Advance,
     Finish,
     Peek,
+    RankSnapshot,
     WorkerFailure,
     WorkerReply,
     control_state,
@@ -47,8 +49,11 @@ class _OutOfBand:
 class StageLoop:
     """Runs in each worker: one Trainer stage, advanced gate by gate by the controller's messages."""
 
-    def __init__(self, trainer: Trainer, run: Callable[[], Any], rank: int, reader: StateReader) -> None:
+    def __init__(self, trainer: Trainer, run: Callable[[], Any], rank: int, reader: StateReader,
+                 resume: Optional[RankSnapshot] = None) -> None:
         self._trainer = trainer
+        #: Set while a replacement worker catches up (``protocol.ResumePoint``).
+        self._resume = resume
         self._run = run
         self._rank = rank
         self._reader = reader
@@ -113,6 +118,8 @@ class StageLoop:
         """Runs on the loop thread at every gated hook call (L2, L3)."""
         if self._free_running:
             return fn(*args, **kwargs)
+        if self._resume is not None:
+            return self._catch_up(gate, fn, args, kwargs)
         if self._depth:
             return self._nested_call(gate, fn, args, kwargs)
         self._arrive(gate)
@@ -133,6 +140,16 @@ class StageLoop:
         reply.nested = self._nested
         self._answer(reply)
         self._wait()
+        return worker_side_result(gate, result)
+
+    def _catch_up(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A replacement worker's Lightning resumes from the snapshot's checkpoint without gates up
+        to :data:`SNAPSHOT_GATE`, where it takes back the rest of the snapshot; the controller's
+        replayed messages then meet it at the next gate."""
+        result = fn(*args, **kwargs)
+        if gate == SNAPSHOT_GATE and self._resume is not None:
+            self._reader.resume(self._resume)
+            self._resume = None
         return worker_side_result(gate, result)
 
     def _nested_call(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:

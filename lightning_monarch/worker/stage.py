@@ -13,9 +13,12 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import warnings
+from typing import Any
 
 import cloudpickle
+import torch
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
@@ -45,7 +48,11 @@ _CALLBACKS_MISSING_WARNING = "Be aware that when using `ckpt_path`, callbacks us
 
 
 def build_stage(spec: StageSpec, rank: int) -> StageLoop:
-    """Unpack the stage's objects, build this rank's Trainer and return its (not yet started) loop."""
+    """Unpack the stage's objects, build this rank's Trainer and return its (not yet started) loop.
+
+    A replacement worker (``spec.resume``) resumes from the snapshot's checkpoint, written to a
+    temporary file for Lightning's ``ckpt_path`` and removed when the stage ends.
+    """
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=re.escape(_CALLBACKS_MISSING_WARNING))
@@ -72,6 +79,8 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
         num_nodes=config.num_nodes,
         strategy=DDPStrategy(
             cluster_environment=TorchElasticEnvironment(),
+            # each GPU worker sees only its own device (``controller.devices``): cuda:0 on every rank
+            parallel_devices=[torch.device("cuda", 0)] * config.devices if config.accelerator == "cuda" else None,
             process_group_backend=config.process_group_backend,
             **config.ddp_kwargs,
         ),
@@ -88,13 +97,27 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
     install_hook_gates(module, "module", MODULE_HOOKS, around)
     if datamodule is not None:
         install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, around)
-    run = functools.partial(
+    ckpt_path = spec.ckpt_path
+    if spec.resume is not None:
+        handle, ckpt_path = tempfile.mkstemp(prefix="lightning_monarch_snapshot_", suffix=".ckpt")
+        with os.fdopen(handle, "wb") as file:
+            file.write(spec.resume.checkpoint)
+    stage = functools.partial(
         getattr(trainer, spec.fn),
         module,
         datamodule=datamodule,
-        ckpt_path=spec.ckpt_path,
+        ckpt_path=ckpt_path,
         **loaders,
         **_STAGE_KWARGS[spec.fn],
     )
-    loop = StageLoop(trainer, run, rank, StateReader(trainer, rank, logger_calls))
+
+    def run() -> Any:
+        try:
+            return stage()
+        finally:
+            if spec.resume is not None:
+                os.remove(ckpt_path)
+
+    resume = spec.resume.ranks[rank] if spec.resume is not None else None
+    loop = StageLoop(trainer, run, rank, StateReader(trainer, rank, logger_calls), resume)
     return loop

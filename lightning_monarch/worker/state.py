@@ -6,14 +6,16 @@ under DDP: its metrics, logger calls and optimizer hyperparameters are what the 
 
 from __future__ import annotations
 
+import io
 from typing import Any, Optional
 
 import cloudpickle
+import torch
 from lightning.pytorch import Trainer
 
 from lightning_monarch import _compat
 from lightning_monarch.gates import GateCallback
-from lightning_monarch.protocol import METRIC_VIEWS, CheckpointState, LoggerCall, WorkerReply
+from lightning_monarch.protocol import METRIC_VIEWS, CheckpointState, LoggerCall, RankSnapshot, WorkerReply
 from lightning_monarch.worker.describe import param_group_hyperparameters, to_cpu
 
 
@@ -89,6 +91,29 @@ class StateReader:
             callback.on_save_checkpoint(self._trainer, self.module, checkpoint)
         self.module.on_save_checkpoint(checkpoint)
         return checkpoint
+
+    def snapshot(self) -> RankSnapshot:
+        """This rank's part of a recovery snapshot (see ``protocol.ResumePoint``)."""
+        checkpoint = None
+        if self._rank == 0:
+            buffer = io.BytesIO()
+            torch.save(_compat.dump_checkpoint(self._trainer), buffer)
+            checkpoint = buffer.getvalue()
+        return RankSnapshot(
+            rank=self._rank,
+            rng=_compat.rng_states(),
+            attributes=self.module_attributes(),
+            metrics=to_cpu(_compat.stored_metrics(self._trainer)),
+            checkpoint=checkpoint,
+        )
+
+    def resume(self, snapshot: RankSnapshot) -> None:
+        """At the snapshot's gate on a replacement worker: run on as an ordinary loop, and take back
+        this rank's random states, module attributes and stored metric values from ``snapshot``."""
+        _compat.end_restart(self._trainer)
+        _compat.set_rng_states(snapshot.rng)
+        vars(self.module).update(snapshot.attributes)
+        _compat.restore_stored_metrics(self._trainer, snapshot.metrics)
 
     def checkpoint_state(self) -> CheckpointState:
         """The model, optimizer and LR-scheduler state that a DDP rank 0 would put in a checkpoint."""
