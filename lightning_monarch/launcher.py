@@ -19,7 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils._pytree import tree_flatten
 
-from lightning_monarch import _compat
+from lightning_monarch import _compat, preflight
 from lightning_monarch.controller.callbacks import check_controller_callbacks, check_worker_callbacks
 from lightning_monarch.controller.checks import pack_for_workers
 from lightning_monarch.controller.mirrors import plan_loaders
@@ -82,6 +82,8 @@ class MonarchLauncher(_compat.Launcher):
         mesh.step_timeout = self._strategy.step_timeout
         ended_cleanly = False
         try:
+            if not mesh.checked:
+                preflight.check(mesh, key.accelerator, key.process_group_backend)
             mesh.start_stage(spec, self._strategy.max_restarts, self._strategy.snapshot_every_n_epochs)
             session = StageSession(trainer, mesh, module, datamodule, self._strategy.worker_callbacks)
             self._strategy.attach(session)

@@ -124,6 +124,20 @@ RANK_LOCAL_HOOKS: frozenset[str] = frozenset({"module.prepare_data", "datamodule
 CONTROL_STATE: tuple[str, ...] = ("should_stop", "accumulate_grad_batches")
 
 
+#: The variables that decide which GPUs a process sees, outermost first.
+VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def versions() -> dict[str, Optional[str]]:
+    """This process's torch, Lightning, CUDA and HIP versions: the controller's and every
+    worker's must agree."""
+    import lightning
+    import torch
+
+    return {"torch": torch.__version__, "lightning": lightning.__version__, "cuda": torch.version.cuda,
+            "hip": torch.version.hip}
+
+
 #: The gate where a training stage is snapshotted for recovery: the start of a training epoch,
 #: the boundary from which Lightning resumes a checkpoint exactly (it cannot resume mid-epoch at
 #: an exact batch). The snapshot is read while the workers are parked right after this gate.
@@ -154,6 +168,35 @@ class TrainerConfig:
     process_group_backend: Optional[str]
     flags: dict[str, Any]
     ddp_kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PreflightSpec:
+    """What every worker checks before the first step (see ``worker.preflight``): the controller's
+    versions to match, the device kind, and an all-reduce of ``all_reduce_mib`` MiB that must
+    finish within ``all_reduce_limit_s``."""
+
+    accelerator: str
+    process_group_backend: Optional[str]
+    versions: dict[str, Optional[str]]
+    all_reduce_mib: float
+    all_reduce_limit_s: float
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """One worker's answer to a :class:`PreflightSpec`: where it runs, what it sees, how fast its
+    all-reduce was, and every problem found (empty when all is well)."""
+
+    rank: int
+    host: str
+    pid: int
+    device: str
+    device_memory_gib: Optional[float]
+    versions: dict[str, Optional[str]]
+    visible_devices: dict[str, str]
+    all_reduce_s: Optional[float]
+    problems: list[str]
 
 
 @dataclass(frozen=True)

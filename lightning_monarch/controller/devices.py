@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-#: The variables that decide which GPUs a process sees, outermost first.
-VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+from lightning_monarch.protocol import VISIBILITY_VARS
 _ROCM_DEFAULT = "HIP_VISIBLE_DEVICES"
 
 

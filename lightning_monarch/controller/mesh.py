@@ -30,10 +30,12 @@ from lightning_monarch.protocol import (  # noqa: E402
     CheckpointState,
     Finish,
     Peek,
+    PreflightSpec,
     ResumePoint,
     StageSpec,
     WorkerFailure,
     WorkerReply,
+    WorkerReport,
 )
 from lightning_monarch.worker.actor import MonarchWorker  # noqa: E402
 
@@ -49,11 +51,12 @@ def _log_fault(failure: Any) -> None:
     """Replaces Monarch's ``unhandled_fault_hook``, whose default exits the controller.
 
     Monarch calls it from its own thread when a worker process dies or an actor fails outside a
-    call. The failure also reaches the call waiting on that worker, as a ``SupervisionError`` that
-    ``WorkerMesh`` raises as ``MeshFailureError``; here it is only logged. A failure of an earlier,
+    call, including the processes of a mesh the controller killed itself after a failure. A
+    failure that matters reaches the call waiting on that worker, which raises it (see
+    ``WorkerMesh._gather``); here it is only logged, at debug level. A failure of an earlier,
     already stopped mesh must not fail the next one.
     """
-    log.warning("Monarch reported a worker mesh failure: %s", failure)
+    log.debug("Monarch reported a worker mesh failure: %s", failure)
 
 
 monarch.actor.unhandled_fault_hook = _log_fault
@@ -93,6 +96,8 @@ class WorkerMesh:
         self.restarts = 0
         self._restarts_left = 0
         self._journal: Optional[list[_Message]] = None
+        #: Whether ``lightning_monarch.preflight`` checked these workers.
+        self.checked = False
         self._burst: list[Advance] = []
         self._attach(procs)
 
@@ -158,6 +163,10 @@ class WorkerMesh:
         )
         self._journal = [_Message("start_stage", (dataclasses.replace(spec, resume=resume),))]
         self._origin = f"the snapshot at the start of epoch {epoch}"
+
+    def preflight(self, spec: PreflightSpec) -> list[WorkerReport]:
+        """Every worker's check of itself (``worker.preflight``), in rank order."""
+        return sorted(self._gather(self._workers.preflight.stream(spec)), key=lambda report: report.rank)
 
     def end_stage(self) -> None:
         """Let every rank drop the finished stage's Trainer, module and data."""

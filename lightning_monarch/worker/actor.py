@@ -20,12 +20,15 @@ from lightning_monarch.protocol import (
     CheckpointState,
     Finish,
     Peek,
+    PreflightSpec,
     RankSnapshot,
     StageSpec,
     WorkerFailure,
     WorkerReply,
+    WorkerReport,
 )
 from lightning_monarch.worker.loop import StageLoop
+from lightning_monarch.worker.preflight import inspect_worker
 from lightning_monarch.worker.stage import build_stage
 
 
@@ -43,6 +46,14 @@ class MonarchWorker(Actor):
     def process_id(self) -> tuple[int, int, str]:
         """This worker's rank, process ID and host; answering at all shows the process is alive."""
         return self._rank, os.getpid(), socket.gethostname()
+
+    @endpoint
+    def preflight(self, spec: PreflightSpec) -> Union[WorkerReport, WorkerFailure]:
+        """Check this worker before its first stage (``worker.preflight``)."""
+        try:
+            return inspect_worker(spec)
+        except BaseException as error:
+            return self._failure(error, "preflight")
 
     @endpoint
     def end_stage(self) -> None:

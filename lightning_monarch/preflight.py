@@ -1,0 +1,96 @@
+"""Preflight: every worker of a mesh checks itself before the first step.
+
+    python -m lightning_monarch.preflight --devices 2 [--accelerator gpu] [--all-reduce-mib 64]
+
+Runs on the controller. ``MonarchLauncher`` runs it on every new mesh before the first stage, with
+a small all-reduce; run alone, it starts a mesh as ``Trainer(strategy="monarch", ...)`` would and
+prints one row per worker: host, rank, device, memory, versions, visibility and all-reduce
+bandwidth. Every problem of every worker is reported in one ``PreflightError``, by host and rank:
+a missing or extra device, torch/Lightning/CUDA/HIP versions that differ from the controller's,
+an all-reduce that fails or is slower than its limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Optional
+
+from lightning_monarch.controller.mesh import WorkerMesh
+from lightning_monarch.protocol import PreflightSpec, WorkerReport, versions
+
+
+class PreflightError(RuntimeError):
+    """Workers failed their checks before the first step; the message lists every problem."""
+
+
+def check(mesh: WorkerMesh, accelerator: str, process_group_backend: Optional[str], all_reduce_mib: float = 1.0,
+          all_reduce_limit_s: float = 60.0) -> list[WorkerReport]:
+    """Check every worker of ``mesh``; raise ``PreflightError`` listing all problems, or return
+    the reports in rank order."""
+    spec = PreflightSpec(accelerator, process_group_backend, versions(), all_reduce_mib, all_reduce_limit_s)
+    reports = mesh.preflight(spec)
+    mesh.checked = True
+    problems = [f"  host {report.host}, rank {report.rank}: {problem}" for report in reports for problem in report.problems]
+    if problems:
+        raise PreflightError(
+            f"{len(problems)} problem(s) on the worker mesh, found before the first step:\n" + "\n".join(problems)
+        )
+    return reports
+
+
+def table(reports: list[WorkerReport], all_reduce_mib: float) -> str:
+    """The reports as a text table, one row per worker."""
+    header = ("host", "rank", "pid", "device", "memory GiB", "torch", "lightning", "cuda / hip", "visible",
+              "all-reduce ms", "GB/s")
+    rows = [header]
+    for r in reports:
+        seconds = r.all_reduce_s
+        rows.append((
+            r.host, str(r.rank), str(r.pid), r.device,
+            f"{r.device_memory_gib:.0f}" if r.device_memory_gib is not None else "-",
+            str(r.versions["torch"]), str(r.versions["lightning"]),
+            f"{r.versions['cuda'] or '-'} / {r.versions['hip'] or '-'}",
+            " ".join(f"{name}={value}" for name, value in r.visible_devices.items()) or "-",
+            f"{1000 * seconds:.1f}" if seconds is not None else "failed",
+            # bus bandwidth of a ring all-reduce: each rank sends and receives 2 (n-1)/n of the data
+            f"{2 * (len(reports) - 1) / len(reports) * all_reduce_mib * 2**20 / seconds / 1e9:.2f}"
+            if seconds else "-",
+        ))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="Check every worker of a strategy='monarch' mesh.")
+    parser.add_argument("--devices", type=int, default=1, help="workers per host, as Trainer(devices=...)")
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu", "cuda"])
+    parser.add_argument("--process-group-backend", default=None)
+    parser.add_argument("--all-reduce-mib", type=float, default=64.0)
+    parser.add_argument("--all-reduce-limit-s", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the Trainer's info lines are noise here
+
+    import lightning as L
+
+    from lightning_monarch.controller.pool import MESHES
+    from lightning_monarch.strategy import MonarchStrategy
+
+    strategy = MonarchStrategy(process_group_backend=args.process_group_backend, keep_warm=False)
+    trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices, logger=False)
+    key = trainer.strategy.mesh_key()
+    mesh = MESHES.acquire(key)
+    try:
+        print(f"Starting {mesh.num_workers} worker(s) and checking them ...", flush=True)
+        reports = check(mesh, key.accelerator, key.process_group_backend, args.all_reduce_mib, args.all_reduce_limit_s)
+    except PreflightError as error:
+        print(error)
+        return 1
+    finally:
+        MESHES.release(key, mesh, keep=False, failed=False)
+    print(table(reports, args.all_reduce_mib))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

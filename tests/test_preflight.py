@@ -1,0 +1,65 @@
+"""Preflight: every worker checks itself before the first step; all problems come in one error,
+by host and rank; ``python -m lightning_monarch.preflight`` prints a row per worker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+
+import lightning_monarch.preflight as preflight
+from lightning_monarch.controller.mesh import WorkerMesh
+from lightning_monarch.preflight import PreflightError
+from lightning_monarch.protocol import versions
+from tests.conftest import ROOT, stray_workers
+from tests.models import Classifier
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_command_prints_one_row_per_worker() -> None:
+    done = subprocess.run([sys.executable, "-m", "lightning_monarch.preflight", "--devices", "2", "--all-reduce-mib", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] and line.split()[1:2] in (["0"], ["1"])]
+    assert [row[1] for row in rows] == ["0", "1"], done.stdout
+    assert all(row[3] == "cpu" and row[5] == versions()["torch"] for row in rows), done.stdout
+
+
+def test_every_problem_of_every_worker_in_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(preflight, "versions", lambda: {**versions(), "torch": "1.0.0"})
+    mesh = WorkerMesh.spawn([{}, {}])
+    try:
+        with pytest.raises(PreflightError) as error:
+            preflight.check(mesh, "cpu", None, all_reduce_mib=1, all_reduce_limit_s=0)
+    finally:
+        mesh.stop()
+    message = str(error.value)
+    assert "4 problem(s)" in message
+    for rank in (0, 1):
+        assert f"rank {rank}: torch {versions()['torch']} here, 1.0.0 on the controller" in message
+        assert f"rank {rank}: an all-reduce of 1 MiB took" in message
+
+
+def test_a_worker_without_its_gpu_is_reported() -> None:
+    mesh = WorkerMesh.spawn([{"CUDA_VISIBLE_DEVICES": "0"}])
+    try:
+        with pytest.raises(PreflightError, match=r"rank 0: sees 0 GPUs, expected exactly 1 \(its own\)"):
+            preflight.check(mesh, "cuda", None, all_reduce_mib=1)
+    finally:
+        mesh.stop()
+
+
+def test_fit_does_not_start_on_a_mesh_that_fails_its_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_monarch
+
+    lightning_monarch.stop_meshes()  # a new mesh is checked; a warm one was checked already
+    monkeypatch.setattr(preflight, "versions", lambda: {**versions(), "lightning": "0.1"})
+    trainer = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with pytest.raises(PreflightError, match="rank 1: lightning .* here, 0.1 on the controller"):
+        trainer.fit(Classifier())
+    assert trainer.global_step == 0
+    assert not stray_workers()
