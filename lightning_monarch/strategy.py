@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_monarch.accelerator import WorkerGPUAccelerator
 from lightning_monarch.controller.devices import pinned_environments
+from lightning_monarch.controller.hosts import check_num_nodes, host_mesh
 from lightning_monarch.controller.pool import MeshKey
 from lightning_monarch.controller.session import StageSession
 from lightning_monarch.launcher import MonarchLauncher
@@ -40,6 +41,10 @@ class MonarchStrategy(ParallelStrategy):
     worker per device runs the LightningModule with Lightning's ``DDPStrategy``.
 
     Args:
+        hosts: where the workers run: nothing for this host, a Monarch job
+            (``monarch.job.ProcessJob({"hosts": 2})``, ``SlurmJob``, ``KubernetesJob``...) or a
+            ``HostMesh`` (e.g. from ``attach_to_workers``); ``Trainer(num_nodes=...)`` must equal
+            its number of hosts, and each host runs ``devices`` workers.
         process_group_backend: the workers' ``torch.distributed`` backend; by default ``gloo`` on
             CPU and ``nccl`` on GPUs (RCCL on a ROCm build of torch).
         worker_callbacks: callbacks that need live parameters or gradients; they run on every worker.
@@ -70,6 +75,7 @@ class MonarchStrategy(ParallelStrategy):
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
+        hosts: Optional[Any] = None,
         process_group_backend: Optional[str] = None,
         worker_callbacks: Optional[list[Callback]] = None,
         max_restarts: int = 0,
@@ -91,6 +97,8 @@ class MonarchStrategy(ParallelStrategy):
                 f"MonarchStrategy got {unknown}, which are not keyword arguments of `DistributedDataParallel`."
                 f" Accepted: {sorted(_DDP_KWARGS)}."
             )
+        self.hosts = hosts
+        self._host_mesh: Optional[Any] = None
         self.process_group_backend = process_group_backend
         self.worker_callbacks = list(worker_callbacks or [])
         if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
@@ -143,10 +151,11 @@ class MonarchStrategy(ParallelStrategy):
             indices = [device.index or 0 for device in self.parallel_devices or ()]
             environments = pinned_environments(indices, os.environ, rocm=torch.version.hip is not None)
         else:
-            environments = [{} for _ in range(self.num_workers)]
+            environments = [{} for _ in self.parallel_devices or ()]
         return MeshKey(
             self.worker_accelerator,
             self.process_group_backend,
+            self._host_mesh,
             tuple(tuple(sorted(environment.items())) for environment in environments),
         )
 
@@ -167,11 +176,15 @@ class MonarchStrategy(ParallelStrategy):
                 f"`Trainer(strategy='monarch', accelerator={type(accelerator).__name__})`: Monarch workers run"
                 " on CPUs or on CUDA/ROCm GPUs. Use `accelerator='cpu'` or `accelerator='gpu'`."
             )
-        if self.num_nodes != 1:
+        if self.hosts is None and self.num_nodes != 1:
             raise MisconfigurationException(
-                f"`Trainer(strategy='monarch', num_nodes={self.num_nodes})`: this version of lightning_monarch"
-                " runs its workers on this host only. Use `num_nodes=1`."
+                f"`Trainer(strategy='monarch', num_nodes={self.num_nodes})`: without `MonarchStrategy(hosts=...)` the"
+                " workers run on this host only. Give the hosts, e.g. `MonarchStrategy(hosts=SlurmJob(...))`, or"
+                " use `num_nodes=1`."
             )
+        if self.hosts is not None:
+            self._host_mesh = host_mesh(self.hosts)
+            check_num_nodes(self._host_mesh, self.num_nodes)
         precision = self.precision_plugin
         if not type(precision).__module__.startswith("lightning.pytorch.plugins.precision"):
             raise MisconfigurationException(

@@ -22,12 +22,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def worker_processes() -> list[psutil.Process]:
-    """Monarch worker processes started by this (controller) process."""
-    return [
-        process
-        for process in psutil.Process().children(recursive=True)
-        if "bootstrap_main" in " ".join(process.cmdline())
-    ]
+    """Monarch worker processes started by this (controller) process and still running."""
+    return [process for process in psutil.Process().children(recursive=True) if "bootstrap_main" in _command(process)]
+
+
+def _command(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):  # ended, not yet reaped by its parent
+        return ""
 
 
 def stray_workers() -> list[psutil.Process]:

@@ -25,7 +25,9 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from lightning_monarch import MonarchStrategy
+from monarch.job import ProcessJob
+
+from lightning_monarch import MonarchStrategy, stop_meshes
 from tests import compat_models as compat
 from tests import models
 
@@ -47,6 +49,9 @@ class Case:
     #: ``False`` runs without the shared ``ModelCheckpoint`` and ``LearningRateMonitor``: no
     #: controller callback then waits for the workers within a training batch.
     default_callbacks: bool = True
+    #: Hosts of 2 workers each: under ``monarch`` a ``ProcessJob`` with that many hosts, under
+    #: ``ddp`` one host with all the processes (the same ranks and the same arithmetic).
+    hosts: int = 1
 
 
 CASES: dict[str, Callable[[Path], Case]] = {
@@ -108,23 +113,32 @@ CASES: dict[str, Callable[[Path], Case]] = {
 }
 
 
+#: Cases on several hosts: their ``ddp`` reference needs its own process group size, so it runs
+#: apart from :data:`CASES` (see ``tests/test_hosts.py``).
+HOST_CASES: dict[str, Callable[[Path], Case]] = {
+    "two_hosts": lambda out: Case(models.Classifier(), stages=("fit", "validate", "test"), hosts=2),
+}
+
+
 def _tracing(path: Path) -> models.TracingClassifier:
     model = models.TracingClassifier()
     model.trace_path = str(path)
     return model
 
 
-def _strategy(name: str, case: Case) -> Any:
+def _strategy(name: str, case: Case, hosts: Any) -> Any:
     """The strategy, with the case's options; under ``ddp`` worker callbacks are plain callbacks."""
     options = dict(case.strategy_options)
     if name == "monarch" and case.worker_callbacks:
         options["worker_callbacks"] = case.worker_callbacks
+    if name == "monarch" and hosts is not None:
+        options["hosts"] = hosts
     if not options:
         return name
     return {"ddp": DDPStrategy, "monarch": MonarchStrategy}[name](**options)
 
 
-def _trainer(strategy: str, out_dir: Path, case: Case, **overrides: Any) -> L.Trainer:
+def _trainer(strategy: str, out_dir: Path, case: Case, hosts: Any = None, **overrides: Any) -> L.Trainer:
     defaults = [
         ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), monitor="val_loss", save_last=True),
         LearningRateMonitor(logging_interval="step"),
@@ -136,9 +150,10 @@ def _trainer(strategy: str, out_dir: Path, case: Case, **overrides: Any) -> L.Tr
     ]
     options = dict(max_epochs=2, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2)
     return L.Trainer(
-        strategy=_strategy(strategy, case),
+        strategy=_strategy(strategy, case, hosts),
         accelerator="cpu",
-        devices=2,
+        devices=2 if strategy == "monarch" else 2 * case.hosts,
+        num_nodes=case.hosts if strategy == "monarch" else 1,
         logger=CSVLogger(str(out_dir), name="logs", version=0),
         callbacks=callbacks,
         **{**options, **case.trainer, **overrides},
@@ -152,9 +167,20 @@ def run_case(name: str, strategy: str, out_dir: Path) -> Optional[dict[str, Any]
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(SEED)
-    case = CASES[name](out_dir)
+    case = {**CASES, **HOST_CASES}[name](out_dir)
+    if strategy == "monarch" and case.hosts > 1:
+        job = ProcessJob({"hosts": case.hosts})
+        try:
+            return _run(name, strategy, out_dir, case, job)
+        finally:
+            stop_meshes()  # the warm mesh lives on the job's hosts
+            job.kill()
+    return _run(name, strategy, out_dir, case, None)
+
+
+def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Optional[dict[str, Any]]:
     model, datamodule = case.model, case.datamodule
-    trainer = _trainer(strategy, out_dir, case)
+    trainer = _trainer(strategy, out_dir, case, hosts)
     results: dict[str, Any] = {}
     for stage in case.stages:
         if stage == "fit":
@@ -168,7 +194,7 @@ def run_case(name: str, strategy: str, out_dir: Path) -> Optional[dict[str, Any]
         elif stage == "resume":
             L.seed_everything(SEED)
             model = CASES[name](out_dir).model
-            trainer = _trainer(strategy, out_dir, case, max_epochs=case.trainer["max_epochs"] + 1)
+            trainer = _trainer(strategy, out_dir, case, hosts, max_epochs=case.trainer["max_epochs"] + 1)
             trainer.fit(model, datamodule=datamodule, ckpt_path=str(out_dir / "checkpoints" / "last.ckpt"))
         else:
             results[stage] = getattr(trainer, stage)(model, datamodule=datamodule, verbose=False)

@@ -107,7 +107,7 @@ class CustomPrecision(Precision):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"num_nodes": 2}, r"num_nodes=2.*Use `num_nodes=1`"),
+        ({"num_nodes": 2}, r"num_nodes=2.*without `MonarchStrategy\(hosts=...\)`.*or use `num_nodes=1`"),
         ({"plugins": [CustomPrecision()]}, r"CustomPrecision.*precision="),
     ],
 )

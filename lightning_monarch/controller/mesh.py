@@ -20,9 +20,10 @@ os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
 import monarch.actor  # noqa: E402
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # noqa: E402
-from monarch.actor import ProcMesh, default_bootstrap_cmd, this_host  # noqa: E402
+from monarch.actor import HostMesh, ProcMesh, default_bootstrap_cmd, this_host  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env  # noqa: E402
 
+from lightning_monarch.controller.hosts import host_count  # noqa: E402
 from lightning_monarch.controller.watch import POLL_S, ProcessWatch  # noqa: E402
 from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError  # noqa: E402
 from lightning_monarch.protocol import (  # noqa: E402
@@ -78,7 +79,7 @@ class _Message:
 
 
 class WorkerMesh:
-    """Runs on the controller: one process per device on this host, each with a ``MonarchWorker``.
+    """Runs on the controller: one process per device on each host, each with a ``MonarchWorker``.
 
     With restarts allowed (``start_stage(spec, max_restarts=k)``), it keeps the stage's messages in
     a journal. When a worker process dies or hangs, it starts new processes, replays the journal
@@ -87,8 +88,9 @@ class WorkerMesh:
     sees the failure, and no step is lost or counted twice.
     """
 
-    def __init__(self, procs: ProcMesh, environments: list[dict[str, str]]) -> None:
-        self.num_workers = len(environments)
+    def __init__(self, procs: ProcMesh, hosts: HostMesh, environments: list[dict[str, str]]) -> None:
+        self.num_workers = len(environments) * host_count(hosts)
+        self._hosts = hosts
         self._environments = environments
         #: How long a message may wait for the workers before they count as hung; ``None`` waits.
         self.step_timeout: Optional[float] = None
@@ -104,18 +106,18 @@ class WorkerMesh:
     def _attach(self, procs: ProcMesh) -> None:
         self._procs: Optional[ProcMesh] = procs
         self._workers = procs.spawn("lightning_monarch_worker", MonarchWorker)
-        self._rank0 = self._workers.slice(gpus=0)
+        self._rank0 = self._workers.slice(**dict.fromkeys(self._workers.extent.labels, 0))
         self._watch = ProcessWatch([])
         self._watch = ProcessWatch(self._gather(self._workers.process_id.stream()))
         #: Each rank's process ID, in rank order.
         self.pids = [self._watch.pids[rank] for rank in range(self.num_workers)]
 
     @staticmethod
-    def _spawn_procs(environments: list[dict[str, str]]) -> ProcMesh:
-        """One process per entry of ``environments``, each started with those variables set (its
-        GPU's visibility; see ``controller.devices``)."""
+    def _spawn_procs(hosts: HostMesh, environments: list[dict[str, str]]) -> ProcMesh:
+        """On each host, one process per entry of ``environments`` (the local ranks), each started
+        with those variables set (its GPU's visibility; see ``controller.devices``)."""
         command = default_bootstrap_cmd()
-        procs = this_host().spawn_procs(
+        procs = hosts.spawn_procs(
             per_host={"gpus": len(environments)},
             bootstrap_command=(lambda point: command.with_env(environments[point["gpus"]])) if any(environments) else None,
         )
@@ -127,12 +129,14 @@ class WorkerMesh:
         return procs
 
     @classmethod
-    def spawn(cls, environments: list[dict[str, str]]) -> "WorkerMesh":
-        """Start one worker process per entry of ``environments`` (extra environment variables for
-        that local rank), and their torch elastic environment."""
-        procs = cls._spawn_procs(environments)
+    def spawn(cls, environments: list[dict[str, str]], hosts: Optional[HostMesh] = None) -> "WorkerMesh":
+        """Start, on each of ``hosts`` (by default this host), one worker process per entry of
+        ``environments`` (extra environment variables for that local rank), and their torch
+        elastic environment."""
+        hosts = hosts if hosts is not None else this_host()
+        procs = cls._spawn_procs(hosts, environments)
         try:
-            return cls(procs, environments)
+            return cls(procs, hosts, environments)
         except BaseException:
             procs.stop().get(timeout=_STOP_TIMEOUT_S)
             raise
@@ -288,7 +292,7 @@ class WorkerMesh:
     def _replace_processes(self) -> None:
         """Kill the old worker processes and start new ones in their place."""
         self.stop(kill=True)
-        self._attach(self._spawn_procs(self._environments))
+        self._attach(self._spawn_procs(self._hosts, self._environments))
 
     def _gather(self, futures: Iterable[Any], timeout: Optional[float] = None) -> list[Any]:
         """Every rank's answer, in the order they arrive. The first failing rank raises without

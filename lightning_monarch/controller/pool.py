@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+from monarch.actor import HostMesh
+
 from lightning_monarch.controller.mesh import WorkerMesh
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,8 @@ class MeshKey:
 
     accelerator: str
     process_group_backend: Optional[str]
+    #: The ``HostMesh`` the workers run on; ``None`` for this host.
+    hosts: Optional[HostMesh]
     #: Per local rank, the extra environment variables its process starts with, as sorted items.
     environments: tuple[tuple[tuple[str, str], ...], ...]
 
@@ -50,7 +54,7 @@ class MeshPool:
             if idle_key == key and mesh.answers():
                 return mesh
             mesh.stop(kill=True)
-        return WorkerMesh.spawn([dict(environment) for environment in key.environments])
+        return WorkerMesh.spawn([dict(environment) for environment in key.environments], key.hosts)
 
     def release(self, key: MeshKey, mesh: WorkerMesh, keep: bool, failed: bool) -> None:
         """Take ``mesh`` back after a stage: keep it warm if ``keep`` and the stage did not fail,
