@@ -82,10 +82,10 @@ class WorkerMesh:
     """Runs on the controller: one process per device on each host, each with a ``MonarchWorker``.
 
     With restarts allowed (``start_stage(spec, max_restarts=k)``), it keeps the stage's messages in
-    a journal. When a worker process dies or hangs, it starts new processes, replays the journal
-    (the workers recompute the stage up to the failed message, bit for bit as before, since every
-    rank is seeded the same way) and sends the failed message again: the controller's loop never
-    sees the failure, and no step is lost or counted twice.
+    a journal, restarted at every snapshot (``snapshot``). When a worker process dies or hangs, it
+    starts new processes, brings them to the last snapshot (or the stage's start), replays the
+    journal, which the workers recompute bit for bit as before, and sends the failed message again:
+    the controller's loop never sees the failure, and no step is lost or counted twice.
     """
 
     def __init__(self, procs: ProcMesh, hosts: HostMesh, environments: list[dict[str, str]]) -> None:
@@ -107,7 +107,7 @@ class WorkerMesh:
         self._procs: Optional[ProcMesh] = procs
         self._workers = procs.spawn("lightning_monarch_worker", MonarchWorker)
         self._rank0 = self._workers.slice(**dict.fromkeys(self._workers.extent.labels, 0))
-        self._watch = ProcessWatch([])
+        self._watch = ProcessWatch([])  # nothing to watch until the workers said who they are
         self._watch = ProcessWatch(self._gather(self._workers.process_id.stream()))
         #: Each rank's process ID, in rank order.
         self.pids = [self._watch.pids[rank] for rank in range(self.num_workers)]
