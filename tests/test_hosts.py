@@ -67,3 +67,12 @@ def test_hosts_must_be_a_job_or_a_host_mesh() -> None:
     with pytest.raises(MisconfigurationException, match=r"hosts=str\(...\)\)`: give a Monarch job"):
         L.Trainer(strategy=MonarchStrategy(hosts="node-1,node-2"), accelerator="cpu", devices=2, num_nodes=2,
                   logger=False)
+
+
+def test_a_job_without_a_hosts_mesh_is_refused() -> None:
+    job = ProcessJob({"trainers": 1})
+    try:
+        with pytest.raises(MisconfigurationException, match=r"no host mesh named 'hosts'.*job.state\(\).<name>"):
+            L.Trainer(strategy=MonarchStrategy(hosts=job), accelerator="cpu", devices=1, logger=False)
+    finally:
+        job.kill()

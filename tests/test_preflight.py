@@ -46,7 +46,7 @@ def test_every_problem_of_every_worker_in_one_error(monkeypatch: pytest.MonkeyPa
 def test_a_worker_without_its_gpu_is_reported() -> None:
     mesh = WorkerMesh.spawn([{"CUDA_VISIBLE_DEVICES": "0"}])
     try:
-        with pytest.raises(PreflightError, match=r"rank 0: sees 0 GPUs, expected exactly 1 \(its own\)"):
+        with pytest.raises(PreflightError, match=r"rank 0: sees 0 GPUs, expected exactly 1 \(its own; CUDA_VISIBLE_DEVICES=0\)"):
             preflight.check(mesh, "cuda", None, all_reduce_mib=1)
     finally:
         mesh.stop()

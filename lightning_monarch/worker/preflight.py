@@ -26,10 +26,15 @@ def inspect_worker(spec: PreflightSpec) -> WorkerReport:
         if (theirs := spec.versions.get(name)) != mine
     ]
     device, memory = "cpu", None
+    visible = {name: os.environ[name] for name in VISIBILITY_VARS if name in os.environ}
     if spec.accelerator == "cuda":
         count = torch.cuda.device_count()
         if count != 1:
-            problems.append(f"sees {count} GPUs, expected exactly 1 (its own)")
+            pinned = ", ".join(f"{name}={value}" for name, value in visible.items()) or "no visibility variable"
+            problems.append(
+                f"sees {count} GPUs, expected exactly 1 (its own; {pinned}): more devices asked for than this host"
+                " has, or no GPU driver here"
+            )
         if count:
             properties = torch.cuda.get_device_properties(0)
             device, memory = properties.name, properties.total_memory / 2**30
@@ -48,7 +53,7 @@ def inspect_worker(spec: PreflightSpec) -> WorkerReport:
         device=device,
         device_memory_gib=memory,
         versions=versions(),
-        visible_devices={name: os.environ[name] for name in VISIBILITY_VARS if name in os.environ},
+        visible_devices=visible,
         all_reduce_s=all_reduce_s,
         problems=problems,
     )

@@ -97,11 +97,12 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
     install_hook_gates(module, "module", MODULE_HOOKS, around)
     if datamodule is not None:
         install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, around)
-    ckpt_path = spec.ckpt_path
+    ckpt_path, snapshot_file = spec.ckpt_path, None
     if spec.resume is not None:
-        handle, ckpt_path = tempfile.mkstemp(prefix="lightning_monarch_snapshot_", suffix=".ckpt")
+        handle, snapshot_file = tempfile.mkstemp(prefix="lightning_monarch_snapshot_", suffix=".ckpt")
         with os.fdopen(handle, "wb") as file:
             file.write(spec.resume.checkpoint)
+        ckpt_path = snapshot_file
     stage = functools.partial(
         getattr(trainer, spec.fn),
         module,
@@ -115,8 +116,8 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
         try:
             return stage()
         finally:
-            if spec.resume is not None:
-                os.remove(ckpt_path)
+            if snapshot_file is not None:
+                os.remove(snapshot_file)
 
     resume = spec.resume.ranks[rank] if spec.resume is not None else None
     loop = StageLoop(trainer, run, rank, StateReader(trainer, rank, logger_calls), resume)
