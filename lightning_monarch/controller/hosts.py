@@ -10,17 +10,15 @@ spawned on the resulting ``HostMesh`` with Monarch's own job layer (``ProcessJob
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from monarch.actor import HostMesh, this_host
+from monarch.actor import HostMesh
 
 
-def host_mesh(hosts: Optional[Any]) -> HostMesh:
-    """The ``HostMesh`` that ``hosts`` names: ``None`` for this host, a job (its host mesh named
-    ``hosts``), or a ``HostMesh``."""
-    if hosts is None:
-        return this_host()
+def host_mesh(hosts: Any) -> HostMesh:
+    """The ``HostMesh`` that ``hosts`` names: a job (its host mesh named ``hosts``) or a
+    ``HostMesh``. Without ``hosts``, the workers run on this host (``WorkerMesh.spawn``)."""
     if isinstance(hosts, HostMesh):
         return hosts
     if not callable(getattr(hosts, "state", None)):

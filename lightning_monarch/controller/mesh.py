@@ -63,6 +63,11 @@ def _log_fault(failure: Any) -> None:
 monarch.actor.unhandled_fault_hook = _log_fault
 
 
+def _by_rank(answers: list[Any]) -> list[Any]:
+    """Every rank's answer (each with a ``rank``), which arrive in any order, in rank order."""
+    return sorted(answers, key=lambda answer: answer.rank)
+
+
 @dataclass(frozen=True)
 class _Message:
     """One message to the workers, kept in the stage's journal when restarts are allowed."""
@@ -159,7 +164,7 @@ class WorkerMesh:
         if self._journal is None or epoch == 0 or epoch % self._snapshot_every:
             return
         self.flush()
-        ranks = sorted(self._send(_Message("snapshot", replay=False)), key=lambda snapshot: snapshot.rank)
+        ranks = _by_rank(self._send(_Message("snapshot", replay=False)))
         spec = self._journal[0].args[0]
         resume = ResumePoint(
             checkpoint=ranks[0].checkpoint,
@@ -170,7 +175,7 @@ class WorkerMesh:
 
     def preflight(self, spec: PreflightSpec) -> list[WorkerReport]:
         """Every worker's check of itself (``worker.preflight``), in rank order."""
-        return sorted(self._gather(self._workers.preflight.stream(spec)), key=lambda report: report.rank)
+        return _by_rank(self._gather(self._workers.preflight.stream(spec)))
 
     def end_stage(self) -> None:
         """Let every rank drop the finished stage's Trainer, module and data."""
@@ -196,8 +201,7 @@ class WorkerMesh:
         if isinstance(command, Advance) and not command.wait:
             return None
         burst, self._burst = self._burst, []
-        replies = self._send(_Message("advance", (burst,)))
-        return sorted(replies, key=lambda reply: reply.rank)
+        return _by_rank(self._send(_Message("advance", (burst,))))
 
     def flush(self) -> None:
         """Send the waiting burst now: ahead of a message that must see its effects, or so that

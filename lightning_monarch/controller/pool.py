@@ -38,7 +38,6 @@ class MeshKey:
     environments: tuple[tuple[tuple[str, str], ...], ...]
 
 
-
 class MeshPool:
     """Runs on the controller: hands out worker meshes and keeps one warm between stages."""
 
