@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_monarch import _compat
 from lightning_monarch.accelerator import WorkerGPUAccelerator
 from lightning_monarch.controller.pool import stop_meshes
-from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError
+from lightning_monarch.errors import MeshFailureError, UnreachableHostsError, WorkerError, WorkerTimeoutError
 from lightning_monarch.strategy import MonarchStrategy
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "WorkerError",
     "WorkerGPUAccelerator",
     "WorkerTimeoutError",
+    "UnreachableHostsError",
     "stop_meshes",
 ]
 __version__ = "0.1.0"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
 from lightning_monarch.protocol import WorkerFailure
 
 
@@ -36,3 +38,8 @@ class MeshFailureError(RuntimeError):
 class WorkerTimeoutError(MeshFailureError):
     """Workers did not answer within ``MonarchStrategy(step_timeout=...)``: alive but stuck, for
     example in a collective that a peer never joined. ``ranks`` names those that did not answer."""
+
+
+class UnreachableHostsError(MisconfigurationException):
+    """The workers' hosts did not connect to the controller at ``Trainer(...)`` time; the message
+    names the addresses that do not accept a connection."""

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_monarch.accelerator import WorkerGPUAccelerator
 from lightning_monarch.controller.devices import pinned_environments
-from lightning_monarch.controller.hosts import check_num_nodes, host_mesh
+from lightning_monarch.controller.hosts import host_mesh
 from lightning_monarch.controller.pool import MeshKey
 from lightning_monarch.controller.session import StageSession
 from lightning_monarch.launcher import MonarchLauncher
@@ -42,9 +42,13 @@ class MonarchStrategy(ParallelStrategy):
 
     Args:
         hosts: where the workers run: nothing for this host, a Monarch job
-            (``monarch.job.ProcessJob({"hosts": 2})``, ``SlurmJob``, ``KubernetesJob``...) or a
-            ``HostMesh`` (e.g. from ``attach_to_workers``); ``Trainer(num_nodes=...)`` must equal
-            its number of hosts, and each host runs ``devices`` workers.
+            (``monarch.job.ProcessJob({"hosts": 2})``, ``SlurmJob``, ``KubernetesJob``...), a
+            ``HostMesh`` (e.g. from ``attach_to_workers``), or a list of worker addresses
+            (``["tcp://node-1:26600", ...]``, each running ``run_worker_loop_forever``);
+            ``Trainer(num_nodes=...)`` must equal its number of hosts, and each host runs
+            ``devices`` workers.
+        connect_timeout: seconds the hosts have to connect at ``Trainer(...)`` time before an
+            ``UnreachableHostsError`` names the addresses that did not.
         process_group_backend: the workers' ``torch.distributed`` backend; by default ``gloo`` on
             CPU and ``nccl`` on GPUs (RCCL on a ROCm build of torch).
         worker_callbacks: callbacks that need live parameters or gradients; they run on every worker.
@@ -76,6 +80,7 @@ class MonarchStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         hosts: Optional[Any] = None,
+        connect_timeout: float = 120.0,
         process_group_backend: Optional[str] = None,
         worker_callbacks: Optional[list[Callback]] = None,
         max_restarts: int = 0,
@@ -98,6 +103,7 @@ class MonarchStrategy(ParallelStrategy):
                 f" Accepted: {sorted(_DDP_KWARGS)}."
             )
         self.hosts = hosts
+        self.connect_timeout = connect_timeout
         self._host_mesh: Optional[Any] = None
         self.process_group_backend = process_group_backend
         self.worker_callbacks = list(worker_callbacks or [])
@@ -183,8 +189,8 @@ class MonarchStrategy(ParallelStrategy):
                 " use `num_nodes=1`."
             )
         if self.hosts is not None:
-            self._host_mesh = host_mesh(self.hosts)
-            check_num_nodes(self._host_mesh, self.num_nodes)
+            gpus_per_host = len(self.parallel_devices or ()) if self.worker_accelerator == "cuda" else 0
+            self._host_mesh = host_mesh(self.hosts, self.num_nodes, gpus_per_host, self.connect_timeout)
         precision = self.precision_plugin
         if not type(precision).__module__.startswith("lightning.pytorch.plugins.precision"):
             raise MisconfigurationException(

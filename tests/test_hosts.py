@@ -4,6 +4,10 @@ and ``num_nodes`` must agree with the hosts."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +18,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.job import ProcessJob
 
 import lightning_monarch
-from lightning_monarch import MonarchStrategy
+from lightning_monarch import MonarchStrategy, UnreachableHostsError
+from lightning_monarch.controller.hosts import reachable
 from tests.conftest import run_ddp_reference
 from tests.models import Classifier
 from tests.parity_cases import HOST_CASES, comparable_checkpoint, run_case
@@ -58,21 +63,93 @@ def test_every_worker_sees_torchrun_ranks(job: Any) -> None:
     assert model.ranks == [[0, 0, 0, 4], [1, 1, 0, 4], [2, 0, 1, 4], [3, 1, 1, 4]]
 
 
-def test_num_nodes_must_match_the_hosts(job: Any) -> None:
+def test_num_nodes_must_match_the_host_mesh(job: Any) -> None:
+    hosts = job.state(cached_path=None).hosts
     with pytest.raises(MisconfigurationException, match=r"num_nodes=3\)` but the workers' host mesh has 2 host"):
-        L.Trainer(strategy=MonarchStrategy(hosts=job), accelerator="cpu", devices=2, num_nodes=3, logger=False)
+        L.Trainer(strategy=MonarchStrategy(hosts=hosts), accelerator="cpu", devices=2, num_nodes=3, logger=False)
 
 
-def test_hosts_must_be_a_job_or_a_host_mesh() -> None:
+def test_hosts_must_be_a_job_a_host_mesh_or_addresses() -> None:
     with pytest.raises(MisconfigurationException, match=r"hosts=str\(...\)\)`: give a Monarch job"):
         L.Trainer(strategy=MonarchStrategy(hosts="node-1,node-2"), accelerator="cpu", devices=2, num_nodes=2,
                   logger=False)
 
 
-def test_a_job_without_a_hosts_mesh_is_refused() -> None:
-    job = ProcessJob({"trainers": 1})
+@pytest.mark.parametrize(("meshes", "num_nodes", "message"), [
+    ({"trainers": 1}, 1, r"no host mesh named 'hosts' \(it has \['trainers'\]\).*job.state\(\).<name>"),
+    ({"hosts": 3}, 2, r"num_nodes=2\)` but `ProcessJob\(\{'hosts': 3\}\)` asks for 3 host\(s\)"),
+])
+def test_a_job_of_the_wrong_shape_is_refused_before_it_starts(meshes: dict, num_nodes: int, message: str) -> None:
+    job = ProcessJob(meshes)
+    with pytest.raises(MisconfigurationException, match=message):
+        L.Trainer(strategy=MonarchStrategy(hosts=job), accelerator="cpu", devices=1, num_nodes=num_nodes, logger=False)
+    assert not job.active  # nothing was started
+
+
+@pytest.fixture
+def slurm_job() -> Any:
+    """A ``SlurmJob`` factory. Its constructor switches Monarch's default transport to TCP for
+    this process; the fixture switches it back for the tests that follow."""
+    from monarch._rust_bindings.monarch_hyperactor.config import configure, get_global_config
+    from monarch.job import SlurmJob
+
+    transport = get_global_config()["default_transport"]
+    yield SlurmJob
+    configure(default_transport=transport)
+
+
+@pytest.mark.parametrize(("options", "accelerator", "message"), [
+    ({"ntasks_per_node": 2}, "cpu", r"SlurmJob\(ntasks_per_node=2\)`: each node runs one Monarch host process"),
+    ({}, "gpu", r"devices=2\)` runs 2 GPU workers per node, but `SlurmJob\(gpus_per_node=None\)` requests no GPUs"),
+    ({"gpus_per_node": 1}, "gpu", r"SlurmJob\(gpus_per_node=1\)` requests 1 GPU\(s\).*gpus_per_node=2\)"),
+    ({"gpus_per_node": 2}, "gpu", r"with SLURM's sbatch and squeue, which this machine's PATH does not have"),
+])
+def test_a_slurm_job_missing_its_options_is_refused_before_it_is_submitted(
+    slurm_job: Any, options: dict, accelerator: str, message: str
+) -> None:
+    job = slurm_job({"hosts": 2}, **options)
+    with pytest.raises(MisconfigurationException, match=message):
+        L.Trainer(strategy=MonarchStrategy(hosts=job), accelerator=accelerator, devices=2, num_nodes=2, logger=False)
+    assert not job.active
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def worker_host() -> Any:
+    """A Monarch host serving at a TCP address, as ``run_worker_loop_forever`` does on a cluster
+    node; stopped by its PID."""
+    address = f"tcp://127.0.0.1:{closed_port()}"
+    host = subprocess.Popen([sys.executable, "-c", "from monarch.actor import run_worker_loop_forever;"
+                             f" run_worker_loop_forever(address={address!r}, ca='trust_all_connections')"])
     try:
-        with pytest.raises(MisconfigurationException, match=r"no host mesh named 'hosts'.*job.state\(\).<name>"):
-            L.Trainer(strategy=MonarchStrategy(hosts=job), accelerator="cpu", devices=1, logger=False)
+        deadline = time.monotonic() + 30
+        while not reachable(address) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        yield address
     finally:
-        job.kill()
+        lightning_monarch.stop_meshes()  # a warm mesh may live on this host
+        host.kill()
+        host.wait()
+
+
+def test_workers_at_given_addresses_train(worker_host: str) -> None:
+    model = RankRecorder()
+    L.Trainer(strategy=MonarchStrategy(hosts=[worker_host]), accelerator="cpu", devices=2, max_epochs=1,
+              limit_train_batches=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False).fit(model)
+    assert model.ranks == [[0, 0, 0, 2], [1, 1, 0, 2]]
+
+
+def test_unreachable_workers_are_named(worker_host: str) -> None:
+    dead = f"tcp://127.0.0.1:{closed_port()}"
+    started = time.monotonic()
+    with pytest.raises(UnreachableHostsError, match=rf"within 3 s; 1 of 2 worker address\(es\) do not accept a"
+                                                    rf" connection: {dead}\."):
+        L.Trainer(strategy=MonarchStrategy(hosts=[worker_host, dead], connect_timeout=3), accelerator="cpu",
+                  devices=1, num_nodes=2, logger=False)
+    assert time.monotonic() - started < 15

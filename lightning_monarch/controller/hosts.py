@@ -1,39 +1,183 @@
-"""Where the workers run: this host, the hosts of a Monarch job, or a given ``HostMesh``.
+"""Where the workers run: this host, the hosts of a Monarch job, a ``HostMesh``, or worker addresses.
 
-Runs on the controller. ``MonarchStrategy(hosts=...)`` takes any of them and the workers are
-spawned on the resulting ``HostMesh`` with Monarch's own job layer (``ProcessJob``, ``SlurmJob``,
-``KubernetesJob``, or ``attach_to_workers``), never a launcher of ours. Each host gets
-``devices`` workers; ``setup_torch_elastic_env`` gives them torchrun's ``RANK``, ``LOCAL_RANK``,
-``GROUP_RANK`` (the node) and ``WORLD_SIZE``, which Lightning's DDP on each worker reads.
+Runs on the controller, at ``Trainer(...)`` time. ``MonarchStrategy(hosts=...)`` takes any of
+them and the workers are spawned on the resulting ``HostMesh`` with Monarch's own job layer
+(``ProcessJob``, ``SlurmJob``, ``KubernetesJob``, or ``attach_to_workers``), never a launcher of
+ours. Each host gets ``devices`` workers; ``setup_torch_elastic_env`` gives them torchrun's
+``RANK``, ``LOCAL_RANK``, ``GROUP_RANK`` (the node) and ``WORLD_SIZE``, which Lightning's DDP on
+each worker reads.
+
+Everything that can be checked before a job is submitted is checked first (the host mesh's name
+and size, a ``SlurmJob``'s options), so that a wrong configuration costs no queue wait. Then the
+controller waits for every host to connect and names the addresses that did not.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import shutil
+import socket
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from monarch.actor import HostMesh
+from monarch.actor import HostMesh, attach_to_workers
+from monarch.job import SlurmJob
+
+from lightning_monarch.errors import UnreachableHostsError
+
+#: The name of the host mesh the workers run on, in a Monarch job's mesh specification.
+HOSTS_MESH = "hosts"
 
 
-def host_mesh(hosts: Any) -> HostMesh:
-    """The ``HostMesh`` that ``hosts`` names: a job (its host mesh named ``hosts``) or a
-    ``HostMesh``. Without ``hosts``, the workers run on this host (``WorkerMesh.spawn``)."""
+def host_mesh(hosts: Any, num_nodes: int, gpus_per_host: int, connect_timeout: float) -> HostMesh:
+    """The ``HostMesh`` that ``hosts`` names, connected and checked against ``num_nodes``.
+
+    ``hosts`` is a Monarch job (its host mesh named ``hosts``), a ``HostMesh``, or a list of
+    worker addresses (``"tcp://node-1:26600"``, each serving ``run_worker_loop_forever``).
+    ``gpus_per_host`` is ``devices`` for GPU workers and 0 for CPU ones.
+    """
+    addresses: list[str] = []
     if isinstance(hosts, HostMesh):
-        return hosts
-    if not callable(getattr(hosts, "state", None)):
+        mesh = hosts
+    elif _is_address_list(hosts):
+        addresses = list(hosts)
+        mesh = attach_to_workers(name=HOSTS_MESH, ca="trust_all_connections", workers=addresses)
+    elif callable(getattr(hosts, "state", None)):
+        check_job(hosts, num_nodes, gpus_per_host)
+        mesh = _job_host_mesh(hosts)
+        addresses = _job_addresses(hosts)
+    else:
         raise MisconfigurationException(
             f"`MonarchStrategy(hosts={type(hosts).__name__}(...))`: give a Monarch job (`monarch.job.ProcessJob`,"
-            " `SlurmJob`, `KubernetesJob`, ...), a `HostMesh` (e.g. from `attach_to_workers`), or nothing for this host."
+            " `SlurmJob`, `KubernetesJob`, ...), a `HostMesh` (e.g. from `attach_to_workers`), a list of worker"
+            " addresses (`['tcp://node-1:26600', ...]`), or nothing for this host."
         )
-    state = hosts.state(cached_path=None)
+    check_num_nodes(mesh, num_nodes)
+    wait_for_hosts(mesh, addresses, connect_timeout)
+    return mesh
+
+
+def _is_address_list(hosts: Any) -> bool:
+    return (isinstance(hosts, Sequence) and not isinstance(hosts, str) and bool(hosts)
+            and all(isinstance(address, str) for address in hosts))
+
+
+def _job_host_mesh(job: Any) -> HostMesh:
+    state = job.state(cached_path=None)
     try:
-        return state.hosts
+        return getattr(state, HOSTS_MESH)
     except (AttributeError, KeyError) as error:
         raise MisconfigurationException(
-            f"`MonarchStrategy(hosts={type(hosts).__name__}(...))`: the job has no host mesh named 'hosts'. Name it"
+            f"`MonarchStrategy(hosts={type(job).__name__}(...))`: the job has no host mesh named 'hosts'. Name it"
             " so (`ProcessJob({'hosts': 2})`), or pass the one to use: `MonarchStrategy(hosts=job.state().<name>)`."
         ) from error
+
+
+def check_job(job: Any, num_nodes: int, gpus_per_host: int) -> None:
+    """Check a Monarch job's specification before it is submitted.
+
+    Monarch's jobs keep their mesh specification (mesh name to host count, or a mesh config on
+    Kubernetes) in ``_meshes``; reading it here lets a misnamed or missized host mesh fail before
+    a scheduler queue is joined.
+    """
+    meshes = getattr(job, "_meshes", None)
+    kind = type(job).__name__
+    if isinstance(meshes, dict):
+        if HOSTS_MESH not in meshes:
+            raise MisconfigurationException(
+                f"`MonarchStrategy(hosts={kind}(...))`: the job has no host mesh named 'hosts' (it has"
+                f" {sorted(meshes)}). Name it so (`{kind}({{'hosts': {num_nodes}}}, ...)`), or pass the one to use:"
+                " `MonarchStrategy(hosts=job.state().<name>)`."
+            )
+        size = meshes[HOSTS_MESH]
+        if isinstance(size, int) and size != num_nodes:
+            raise MisconfigurationException(
+                f"`Trainer(strategy='monarch', num_nodes={num_nodes})` but `{kind}({{'hosts': {size}}})` asks for"
+                f" {size} host(s). Set `num_nodes={size}`, or give the job {num_nodes} hosts."
+            )
+    if isinstance(job, SlurmJob):
+        _check_slurm_job(job, gpus_per_host)
+
+
+def _check_slurm_job(job: SlurmJob, gpus_per_host: int) -> None:
+    """The ``SlurmJob`` options that ``strategy='monarch'`` depends on, read from the job's
+    specification (``SlurmJob``'s constructor arguments, kept as attributes)."""
+    if job._ntasks_per_node != 1:
+        raise MisconfigurationException(
+            f"`SlurmJob(ntasks_per_node={job._ntasks_per_node})`: each node runs one Monarch host process, which"
+            " starts the `devices` workers itself; more tasks per node would serve the same port twice. Use"
+            " `ntasks_per_node=1` (the default)."
+        )
+    if gpus_per_host:
+        gpus = job._gpus_per_node
+        if gpus is None or gpus < gpus_per_host:
+            raise MisconfigurationException(
+                f"`Trainer(strategy='monarch', accelerator='gpu', devices={gpus_per_host})` runs {gpus_per_host}"
+                f" GPU workers per node, but `SlurmJob(gpus_per_node={gpus})` requests"
+                f" {'no GPUs' if gpus is None else f'{gpus} GPU(s)'} from SLURM, so the workers would not see"
+                f" theirs. Pass `SlurmJob(..., gpus_per_node={gpus_per_host})`."
+            )
+    missing = [tool for tool in ("sbatch", "squeue") if shutil.which(tool) is None]
+    if missing:
+        raise MisconfigurationException(
+            f"`MonarchStrategy(hosts=SlurmJob(...))` submits and watches the job with SLURM's"
+            f" {' and '.join(missing)}, which this machine's PATH does not have. Run the controller on a SLURM"
+            " login node or inside an allocation, or use `attach_to_workers` / a list of worker addresses."
+        )
+
+
+def _job_addresses(job: Any) -> list[str]:
+    """The workers' addresses of a job whose hosts are known once it runs (``SlurmJob``: its
+    allocated hostnames and port), for naming the ones that do not connect; empty otherwise."""
+    if isinstance(job, SlurmJob):
+        return [f"tcp://{hostname}:{job._port}" for hostname in job._all_hostnames]
+    return []
+
+
+def wait_for_hosts(mesh: HostMesh, addresses: list[str], timeout: float) -> None:
+    """Wait until every host of ``mesh`` has connected; after ``timeout`` seconds, raise
+    ``UnreachableHostsError`` naming the addresses that do not accept a connection."""
+    try:
+        mesh.initialized.get(timeout=timeout)
+        return
+    except TimeoutError:
+        pass
+    unreachable = [address for address in addresses if not reachable(address)]
+    if unreachable:
+        detail = (f"{len(unreachable)} of {len(addresses)} worker address(es) do not accept a connection:"
+                  f" {', '.join(unreachable)}.")
+    elif addresses:
+        detail = (f"every worker address ({', '.join(addresses)}) accepts a connection, but not every one answered"
+                  " as a Monarch worker.")
+    else:
+        detail = f"the job's {host_count(mesh)} host(s) did not connect."
+    raise UnreachableHostsError(
+        f"`MonarchStrategy(hosts=...)`: the workers' hosts did not connect within {timeout:g} s; {detail} Check that"
+        " each host runs `monarch.actor.run_worker_loop_forever` (Monarch's job does this) at that address, that"
+        " the port is open between this machine and the hosts, or give them longer with"
+        " `MonarchStrategy(connect_timeout=...)`."
+    )
+
+
+def reachable(address: str, timeout: float = 2.0) -> bool:
+    """Whether a worker address accepts a connection: a TCP connect for ``tcp://host:port``, the
+    socket file for ``ipc://path``. Of Monarch's forms (``tcp://h:p``, ``<proc-id>@tcp://h:p``,
+    ``dial_to@bind_to``), the first URL is where the controller dials."""
+    match = re.search(r"([a-z]+)://([^@\s]+)", address)
+    if match is None:
+        return False
+    scheme, location = match.groups()
+    if scheme == "ipc":
+        return Path(location).exists()
+    host, _, port = location.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def host_count(mesh: HostMesh) -> int:
