@@ -7,7 +7,8 @@ a small all-reduce; run alone, it starts a mesh as ``Trainer(strategy="monarch",
 prints one row per worker: host, rank, device, memory, versions, visibility and all-reduce
 bandwidth. Every problem of every worker is reported in one ``PreflightError``, by host and rank:
 a missing or extra device, torch/Lightning/CUDA/HIP versions that differ from the controller's,
-an all-reduce that fails or is slower than its limit.
+an all-reduce that fails or is slower than its limit. On ROCm, the settings AMD documents as
+causes of RCCL hangs are reported as warnings.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import logging
 from typing import Optional
+
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_monarch.controller.mesh import WorkerMesh
 from lightning_monarch.protocol import PreflightSpec, WorkerReport, versions
@@ -31,12 +34,23 @@ def check(mesh: WorkerMesh, accelerator: str, process_group_backend: Optional[st
     spec = PreflightSpec(accelerator, process_group_backend, versions(), all_reduce_mib, all_reduce_limit_s)
     reports = mesh.preflight(spec)
     mesh.checked = True
+    _warn_once(reports)
     problems = [f"  host {report.host}, rank {report.rank}: {problem}" for report in reports for problem in report.problems]
     if problems:
         raise PreflightError(
             f"{len(problems)} problem(s) on the worker mesh, found before the first step:\n" + "\n".join(problems)
         )
     return reports
+
+
+def _warn_once(reports: list[WorkerReport]) -> None:
+    """Each distinct warning once, with the hosts that have it."""
+    hosts: dict[str, set[str]] = {}
+    for report in reports:
+        for warning in report.warnings:
+            hosts.setdefault(warning, set()).add(report.host)
+    for warning, where in hosts.items():
+        rank_zero_warn(f"strategy='monarch' preflight, on {', '.join(sorted(where))}: {warning}")
 
 
 def table(reports: list[WorkerReport], all_reduce_mib: float) -> str:

@@ -186,7 +186,7 @@ class PreflightSpec:
 @dataclass(frozen=True)
 class WorkerReport:
     """One worker's answer to a :class:`PreflightSpec`: where it runs, what it sees, how fast its
-    all-reduce was, and every problem found (empty when all is well)."""
+    all-reduce was, every problem found (empty when all is well) and every warning."""
 
     rank: int
     host: str
@@ -197,6 +197,8 @@ class WorkerReport:
     visible_devices: dict[str, str]
     all_reduce_s: Optional[float]
     problems: list[str]
+    #: Settings known to cause hangs (RCCL's, on ROCm); reported, not fatal.
+    warnings: list[str]
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,20 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from lightning_monarch.protocol import VISIBILITY_VARS, PreflightSpec, WorkerReport, versions
+
+#: AMD's RCCL usage tips: peer-to-peer between PCIe-connected GPUs needs this set to 1.
+RCCL_TIPS = "https://rocm.docs.amd.com/projects/rccl/en/latest/how-to/rccl-usage-tips.html"
+#: AMD's multi-GPU guidance on the IOMMU (known issue "Application hangs on Multi-GPU systems").
+MULTI_GPU_IOMMU = "https://rocm.docs.amd.com/projects/radeon-ryzen/en/latest/docs/install/native_linux/mgpu.html"
+
 
 def inspect_worker(spec: PreflightSpec) -> WorkerReport:
     """Check this worker against ``spec``; a failed check is a problem in the report, not an
@@ -27,17 +36,16 @@ def inspect_worker(spec: PreflightSpec) -> WorkerReport:
     ]
     device, memory = "cpu", None
     visible = {name: os.environ[name] for name in VISIBILITY_VARS if name in os.environ}
+    warnings: list[str] = []
     if spec.accelerator == "cuda":
         count = torch.cuda.device_count()
         if count != 1:
-            pinned = ", ".join(f"{name}={value}" for name, value in visible.items()) or "no visibility variable"
-            problems.append(
-                f"sees {count} GPUs, expected exactly 1 (its own; {pinned}): more devices asked for than this host"
-                " has, or no GPU driver here"
-            )
+            problems.append(device_problem(count, visible, host_gpu_count()))
         if count:
             properties = torch.cuda.get_device_properties(0)
             device, memory = properties.name, properties.total_memory / 2**30
+        if torch.version.hip is not None and spec.process_group_backend in (None, "nccl"):
+            warnings = rccl_warnings(os.environ, _read("/proc/cmdline"), _iommu_enabled())
     all_reduce_s = None
     try:
         all_reduce_s = _time_all_reduce(spec)
@@ -56,7 +64,59 @@ def inspect_worker(spec: PreflightSpec) -> WorkerReport:
         visible_devices=visible,
         all_reduce_s=all_reduce_s,
         problems=problems,
+        warnings=warnings,
     )
+
+
+def device_problem(count: int, visible: Mapping[str, str], host_gpus: Optional[int]) -> str:
+    """What is wrong when a GPU worker sees ``count`` devices instead of its one."""
+    pinned = ", ".join(f"{name}={value}" for name, value in visible.items()) or "no visibility variable"
+    if count > 1:
+        return f"sees {count} GPUs, expected exactly 1 (its own; {pinned}): its visibility variable did not reach it"
+    if host_gpus is None:
+        return (f"sees no GPU ({pinned}): more `devices` asked for than this host has, or no GPU driver here;"
+                " `python -m lightning_monarch.preflight --accelerator gpu` on this host lists what it has")
+    return (f"sees no GPU ({pinned}): this host has {host_gpus} GPU(s), fewer than `devices` asks for; use"
+            f" `devices={host_gpus}` or fewer per host")
+
+
+def host_gpu_count() -> Optional[int]:
+    """How many GPUs this host has, whatever this process may see: NVML's or AMD SMI's count,
+    which ignore the visibility variables; ``None`` where neither library is installed."""
+    try:
+        counter = torch.cuda._raw_device_count_amdsmi if torch.version.hip else torch.cuda._raw_device_count_nvml
+        count = counter()
+    except (AttributeError, OSError, RuntimeError):  # an older torch, or no NVML / AMD SMI library
+        return None
+    return count if count >= 0 else None
+
+
+def rccl_warnings(environ: Mapping[str, str], kernel_cmdline: str, iommu_enabled: bool) -> list[str]:
+    """The settings AMD documents as causes of RCCL hangs, as found on this host."""
+    warnings = []
+    if environ.get("HSA_FORCE_FINE_GRAIN_PCIE") != "1":
+        warnings.append(
+            "HSA_FORCE_FINE_GRAIN_PCIE is not 1: with GPUs connected over PCIe (not xGMI), RCCL's peer-to-peer"
+            f" transport needs it, and DDP without it can hang in its first all-reduce ({RCCL_TIPS})"
+        )
+    if iommu_enabled and "iommu=pt" not in kernel_cmdline.split():
+        warnings.append(
+            "the IOMMU is on without `iommu=pt` on the kernel command line, which AMD documents as a cause of"
+            f" multi-GPU applications hanging; boot with `iommu=pt` ({MULTI_GPU_IOMMU})"
+        )
+    return warnings
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _iommu_enabled() -> bool:
+    groups = Path("/sys/kernel/iommu_groups")
+    return groups.is_dir() and any(groups.iterdir())
 
 
 def _time_all_reduce(spec: PreflightSpec) -> float:
