@@ -25,6 +25,7 @@ from typing_extensions import override
 from lightning_monarch.accelerator import WorkerGPUAccelerator
 from lightning_monarch.controller.devices import pinned_environments
 from lightning_monarch.controller.hosts import host_mesh
+from lightning_monarch.controller.output import WorkerOutput
 from lightning_monarch.controller.pool import MeshKey
 from lightning_monarch.controller.session import StageSession
 from lightning_monarch.launcher import MonarchLauncher
@@ -49,6 +50,10 @@ class MonarchStrategy(ParallelStrategy):
             ``devices`` workers.
         connect_timeout: seconds the hosts have to connect at ``Trainer(...)`` time before an
             ``UnreachableHostsError`` names the addresses that did not.
+        aggregate_window_sec: with ``hosts``, Monarch forwards what the workers print to this
+            process and shows lines printed alike within this many seconds once, with their count;
+            ``None`` shows every line at once, prefixed with its rank. Workers on this host print
+            to this process's terminal directly, as ``ddp``'s ranks do.
         process_group_backend: the workers' ``torch.distributed`` backend; by default ``gloo`` on
             CPU and ``nccl`` on GPUs (RCCL on a ROCm build of torch).
         worker_callbacks: callbacks that need live parameters or gradients; they run on every worker.
@@ -81,6 +86,7 @@ class MonarchStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         hosts: Optional[Any] = None,
         connect_timeout: float = 120.0,
+        aggregate_window_sec: Optional[int] = 3,
         process_group_backend: Optional[str] = None,
         worker_callbacks: Optional[list[Callback]] = None,
         max_restarts: int = 0,
@@ -104,6 +110,14 @@ class MonarchStrategy(ParallelStrategy):
             )
         self.hosts = hosts
         self.connect_timeout = connect_timeout
+        if aggregate_window_sec is not None and not (
+            isinstance(aggregate_window_sec, int) and not isinstance(aggregate_window_sec, bool) and aggregate_window_sec > 0
+        ):
+            raise ValueError(
+                f"`MonarchStrategy(aggregate_window_sec={aggregate_window_sec!r})`: give whole seconds > 0, or None to"
+                " show every line of the workers' output at once."
+            )
+        self.aggregate_window_sec = aggregate_window_sec
         self._host_mesh: Optional[Any] = None
         self.process_group_backend = process_group_backend
         self.worker_callbacks = list(worker_callbacks or [])
@@ -163,6 +177,7 @@ class MonarchStrategy(ParallelStrategy):
             self.process_group_backend,
             self._host_mesh,
             tuple(tuple(sorted(environment.items())) for environment in environments),
+            WorkerOutput(self.aggregate_window_sec) if self._host_mesh is not None else None,
         )
 
     @property

@@ -4,6 +4,7 @@ and ``num_nodes`` must agree with the hosts."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -61,6 +62,27 @@ def test_every_worker_sees_torchrun_ranks(job: Any) -> None:
               limit_train_batches=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False).fit(model)
     assert model.ranks == [[0, 0, 0, 4], [1, 1, 0, 4], [2, 0, 1, 4], [3, 1, 1, 4]]
+
+
+class Greeter(Classifier):
+    def on_fit_start(self) -> None:
+        print("hello from a worker", flush=True)
+
+
+def test_what_workers_on_other_hosts_print_is_shown_once_with_its_count(
+    job: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    L.Trainer(strategy=MonarchStrategy(hosts=job, aggregate_window_sec=1), accelerator="cpu", devices=2, num_nodes=2,
+              max_epochs=1, limit_train_batches=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False).fit(Greeter())
+    deadline = time.monotonic() + 10
+    out = ""
+    while "hello from a worker" not in out and time.monotonic() < deadline:
+        time.sleep(0.5)
+        out += capfd.readouterr().out
+    # Monarch groups the 4 workers' line into one group per window and similarity bucket
+    counts = [int(count) for count in re.findall(r"\[(\d+) similar log lines?\].* hello from a worker", out)]
+    assert sum(counts) == 4 and len(counts) < 4, out
 
 
 def test_num_nodes_must_match_the_host_mesh(job: Any) -> None:

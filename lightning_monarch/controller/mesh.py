@@ -24,6 +24,7 @@ from monarch.actor import HostMesh, ProcMesh, default_bootstrap_cmd, this_host  
 from monarch.spmd import setup_torch_elastic_env  # noqa: E402
 
 from lightning_monarch.controller.hosts import host_count  # noqa: E402
+from lightning_monarch.controller.output import WorkerOutput  # noqa: E402
 from lightning_monarch.controller.watch import POLL_S, ProcessWatch  # noqa: E402
 from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError  # noqa: E402
 from lightning_monarch.protocol import (  # noqa: E402
@@ -93,10 +94,12 @@ class WorkerMesh:
     the controller's loop never sees the failure, and no step is lost or counted twice.
     """
 
-    def __init__(self, procs: ProcMesh, hosts: HostMesh, environments: list[dict[str, str]]) -> None:
+    def __init__(self, procs: ProcMesh, hosts: HostMesh, environments: list[dict[str, str]],
+                 output: Optional[WorkerOutput] = None) -> None:
         self.num_workers = len(environments) * host_count(hosts)
         self._hosts = hosts
         self._environments = environments
+        self._output = output
         #: How long a message may wait for the workers before they count as hung; ``None`` waits.
         self.step_timeout: Optional[float] = None
         #: How many times this stage restarted the mesh.
@@ -118,30 +121,36 @@ class WorkerMesh:
         self.pids = [self._watch.pids[rank] for rank in range(self.num_workers)]
 
     @staticmethod
-    def _spawn_procs(hosts: HostMesh, environments: list[dict[str, str]]) -> ProcMesh:
+    def _spawn_procs(hosts: HostMesh, environments: list[dict[str, str]], output: Optional[WorkerOutput]) -> ProcMesh:
         """On each host, one process per entry of ``environments`` (the local ranks), each started
-        with those variables set (its GPU's visibility; see ``controller.devices``)."""
+        with those variables set (its GPU's visibility; see ``controller.devices``), their output
+        forwarded here if ``output`` says so."""
         command = default_bootstrap_cmd()
+        if output is not None:
+            output.before_spawn()
         procs = hosts.spawn_procs(
             per_host={"gpus": len(environments)},
             bootstrap_command=(lambda point: command.with_env(environments[point["gpus"]])) if any(environments) else None,
         )
         try:
             setup_torch_elastic_env(procs)
+            if output is not None:
+                output.stream(procs)
         except BaseException:
             procs.stop().get(timeout=_STOP_TIMEOUT_S)
             raise
         return procs
 
     @classmethod
-    def spawn(cls, environments: list[dict[str, str]], hosts: Optional[HostMesh] = None) -> "WorkerMesh":
+    def spawn(cls, environments: list[dict[str, str]], hosts: Optional[HostMesh] = None,
+              output: Optional[WorkerOutput] = None) -> "WorkerMesh":
         """Start, on each of ``hosts`` (by default this host), one worker process per entry of
         ``environments`` (extra environment variables for that local rank), and their torch
-        elastic environment."""
+        elastic environment; ``output`` forwards what workers on other hosts print."""
         hosts = hosts if hosts is not None else this_host()
-        procs = cls._spawn_procs(hosts, environments)
+        procs = cls._spawn_procs(hosts, environments, output)
         try:
-            return cls(procs, hosts, environments)
+            return cls(procs, hosts, environments, output)
         except BaseException:
             procs.stop().get(timeout=_STOP_TIMEOUT_S)
             raise
@@ -296,7 +305,7 @@ class WorkerMesh:
     def _replace_processes(self) -> None:
         """Kill the old worker processes and start new ones in their place."""
         self.stop(kill=True)
-        self._attach(self._spawn_procs(self._hosts, self._environments))
+        self._attach(self._spawn_procs(self._hosts, self._environments, self._output))
 
     def _gather(self, futures: Iterable[Any], timeout: Optional[float] = None) -> list[Any]:
         """Every rank's answer, in the order they arrive. The first failing rank raises without

@@ -17,6 +17,7 @@ from typing import Optional
 from monarch.actor import HostMesh
 
 from lightning_monarch.controller.mesh import WorkerMesh
+from lightning_monarch.controller.output import WorkerOutput
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ class MeshKey:
     hosts: Optional[HostMesh]
     #: Per local rank, the extra environment variables its process starts with, as sorted items.
     environments: tuple[tuple[tuple[str, str], ...], ...]
+    #: How the output of workers on other hosts reaches the controller; ``None`` on this host.
+    output: Optional[WorkerOutput] = None
 
 
 class MeshPool:
@@ -50,10 +53,13 @@ class MeshPool:
         idle, self._idle = self._idle, None
         if idle is not None:
             idle_key, mesh = idle
-            if idle_key == key and mesh.answers():
+            if idle_key != key:
+                mesh.stop()
+            elif mesh.answers():
                 return mesh
-            mesh.stop(kill=True)
-        return WorkerMesh.spawn([dict(environment) for environment in key.environments], key.hosts)
+            else:  # a worker that does not answer may be stuck and would not stop when asked
+                mesh.stop(kill=True)
+        return WorkerMesh.spawn([dict(environment) for environment in key.environments], key.hosts, key.output)
 
     def release(self, key: MeshKey, mesh: WorkerMesh, keep: bool, failed: bool) -> None:
         """Take ``mesh`` back after a stage: keep it warm if ``keep`` and the stage did not fail,

@@ -1,0 +1,50 @@
+"""What the workers print, when they run on other hosts: Monarch's log forwarding, grouped.
+
+Runs on the controller. Workers on this host share the controller's terminal (or notebook
+kernel), as the ranks of ``ddp`` do, and print there directly. Workers on other hosts print to
+their host's output (a SLURM log file, a pod's log); with ``WorkerOutput``, Monarch also forwards
+every line to the controller, where lines that workers print alike within a window are shown once
+with their count (``[8 similar log lines] [0] epoch 3 done``), so that 64 workers printing the same
+line do not bury the progress bar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from monarch._rust_bindings.monarch_hyperactor.config import configure
+from monarch.actor import ProcMesh
+
+
+@dataclass(frozen=True)
+class WorkerOutput:
+    """Forward the output of workers on other hosts to the controller, grouped over
+    ``aggregate_window_sec`` seconds (``None``: every line at once, prefixed with its rank)."""
+
+    aggregate_window_sec: Optional[int]
+
+    @staticmethod
+    def before_spawn() -> None:
+        """Monarch starts a forwarder in each new worker process only while forwarding is on."""
+        configure(enable_log_forwarding=True)
+
+    def stream(self, procs: ProcMesh) -> None:
+        """Stream ``procs``' output to this process. ``ProcMesh.logging_option`` is a coroutine;
+        it runs on a thread of its own, because a notebook's main thread already runs an event loop."""
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                asyncio.run(procs.logging_option(stream_to_client=True,
+                                                 aggregate_window_sec=self.aggregate_window_sec))
+            except BaseException as error:  # raised below, in the caller's thread
+                failure.append(error)
+
+        thread = threading.Thread(target=run, name="lightning_monarch-logging-option")
+        thread.start()
+        thread.join()
+        if failure:
+            raise failure[0]
