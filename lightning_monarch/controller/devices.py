@@ -6,7 +6,8 @@ its process environment: ``CUDA_VISIBLE_DEVICES`` on NVIDIA; on ROCm ``HIP_VISIB
 whichever visibility variable the user already narrowed the devices with (a ROCm build of torch
 honours ``CUDA_VISIBLE_DEVICES`` too, and ``ROCR_VISIBLE_DEVICES`` acts lower in the stack). A
 worker gets one variable only: never ``HIP_VISIBLE_DEVICES`` together with
-``ROCR_VISIBLE_DEVICES``, a combination AMD documents as a cause of wrong or missing devices. A
+``ROCR_VISIBLE_DEVICES``: they compose (the second counts within what the first leaves), so an
+index meant for one gives a worker a wrong GPU or none. A
 mask the user set (``CUDA_VISIBLE_DEVICES=2,3``) is respected: device ``i`` of ``devices=...`` is
 the ``i``-th device of the mask. Each worker then sees its device as ``cuda:0``.
 """
@@ -48,7 +49,8 @@ def _visibility_variable(environ: Mapping[str, str], rocm: bool) -> str:
     if len(already) > 1:
         raise MisconfigurationException(
             f"{' and '.join(f'{name}={environ[name]!r}' for name in already)} are both set. On ROCm they compose"
-            " (ROCR_VISIBLE_DEVICES first, then HIP_VISIBLE_DEVICES or CUDA_VISIBLE_DEVICES), which AMD documents as"
-            " a cause of wrong or missing devices. Set only one of them before starting the Trainer."
+            " (ROCR_VISIBLE_DEVICES first, then HIP_VISIBLE_DEVICES or CUDA_VISIBLE_DEVICES counts within what it"
+            " leaves), so an index meant for one leaves a worker with a wrong GPU or none. Set only one of them"
+            " before starting the Trainer."
         )
     return already[0] if already else _ROCM_DEFAULT

@@ -101,8 +101,8 @@ def rccl_warnings(environ: Mapping[str, str], kernel_cmdline: str, iommu_enabled
         )
     if iommu_enabled and "iommu=pt" not in kernel_cmdline.split():
         warnings.append(
-            "the IOMMU is on without `iommu=pt` on the kernel command line, which AMD documents as a cause of"
-            f" multi-GPU applications hanging; boot with `iommu=pt` ({MULTI_GPU_IOMMU})"
+            "the IOMMU is on without `iommu=pt` on the kernel command line; AMD lists the IOMMU setting under"
+            f" multi-GPU applications that hang, see its guidance ({MULTI_GPU_IOMMU})"
         )
     return warnings
 
