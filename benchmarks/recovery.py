@@ -30,8 +30,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from benchmarks.models import BenchModel
 from lightning_monarch import MeshFailureError, MonarchStrategy
+from lightning_monarch.benchmark.models import BenchModel
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: 10 steps per epoch (20 batches, 2 ranks); the kill lands 5 steps after the epoch-3 snapshot.

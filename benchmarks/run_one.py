@@ -3,7 +3,9 @@
     python -m benchmarks.run_one --mode monarch --size small --steps 200 --out result.json
 
 Modes: ``monarch`` (2 workers), ``ddp`` (Lightning's subprocess launcher, as torchrun users run
-it), ``ddp_spawn``, and ``torch`` (a plain PyTorch DDP loop without Lightning: the floor).
+it), ``ddp_spawn``, and ``torch`` (a plain PyTorch DDP loop without Lightning: the floor). The
+model and the timed ``fit`` are ``lightning_monarch.benchmark``'s, which ``lightning-monarch
+benchmark`` uses too.
 """
 
 from __future__ import annotations
@@ -11,89 +13,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import statistics
 import time
 from typing import Any
 
 import lightning as L
-import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-import lightning_monarch  # noqa: F401 - registers strategy="monarch"
-from benchmarks.models import SIZES, BenchModel, make_dataset, make_network
-
-WARMUP_STEPS = 5
+from lightning_monarch.benchmark.measure import WARMUP_STEPS, add_arguments, peak_rss_mib, step_seconds, timed_fit
+from lightning_monarch.benchmark.models import SIZES, make_dataset, make_network
 
 
-def peak_rss_mib(pid: int | None = None) -> float:
-    """Peak resident memory (VmHWM) of a process, in MiB."""
-    path = f"/proc/{pid or os.getpid()}/status"
-    with open(path) as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-class StepClock(L.Callback):
-    """Records when each training batch ends; on the controller or on DDP's rank 0. Rank 0 writes
-    the times to the file ``BENCHMARK_CLOCK`` names when training ends."""
-
-    def __init__(self) -> None:
-        self.batch_ends: list[float] = []
-        self.worker_peak_rss: list[float] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.batch_ends.append(time.perf_counter())
-
-    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
-        workers = [p for p in psutil.Process().children(recursive=True) if "bootstrap_main" in " ".join(p.cmdline())]
-        self.worker_peak_rss = [peak_rss_mib(p.pid) for p in workers] or [peak_rss_mib()]
-        if trainer.is_global_zero:  # ddp_spawn's rank 0 is not the process that called fit
-            with open(os.environ["BENCHMARK_CLOCK"], "w") as handle:
-                json.dump({"batch_ends": self.batch_ends, "worker_peak_rss": self.worker_peak_rss}, handle)
-
-
-def step_seconds(batch_ends: list[float]) -> float:
-    intervals = [b - a for a, b in zip(batch_ends[WARMUP_STEPS:], batch_ends[WARMUP_STEPS + 1 :])]
-    return statistics.median(intervals)
-
-
-#: Where the Lightning modes run: ``--accelerator gpu --devices 1`` on a GPU machine.
-DEVICE = {"accelerator": "cpu", "devices": 2}
-
-
-def timed_fit(mode: str, size: str, steps: int, out: str) -> tuple[L.Trainer, BenchModel, dict[str, Any]]:
-    """One ``fit`` of ``steps`` steps; rank 0's clock (written by ``StepClock``) when this is rank 0."""
-    os.environ["BENCHMARK_CLOCK"] = out
-    model = BenchModel(size, batches=steps + WARMUP_STEPS + 2)
-    trainer = L.Trainer(
-        strategy=mode, **DEVICE, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-        callbacks=[StepClock()],
-    )
-    started = time.perf_counter()
-    trainer.fit(model)
-    measured: dict[str, Any] = {"fit_s": time.perf_counter() - started}
-    if trainer.is_global_zero:
-        with open(out) as handle:
-            clock = json.load(handle)
-        measured.update(first_step_s=clock["batch_ends"][0] - started, batch_ends=clock["batch_ends"],
-                        worker_peak_rss_mib=clock["worker_peak_rss"])
-    return trainer, model, measured
-
-
-def run_lightning(mode: str, size: str, steps: int, out: str) -> dict[str, Any]:
+def run_lightning(mode: str, size: str, steps: int, out: str, accelerator: str, devices: int) -> dict[str, Any]:
     """A cold ``fit`` (new processes), a warm one (a new Trainer in the same process: ``monarch``
     keeps its mesh, ``ddp`` its ranks, ``ddp_spawn`` starts new ones), then validate and predict."""
-    _, model, cold = timed_fit(mode, size, steps, out + ".cold")
+    _, model, cold = timed_fit(mode, size, steps, out + ".cold", accelerator, devices)
     result: dict[str, Any] = {"fit_s": cold["fit_s"], "controller_peak_rss_mib": peak_rss_mib()}  # one training run
-    trainer, _, warm = timed_fit(mode, size, WARMUP_STEPS + 2, out + ".warm")
+    trainer, _, warm = timed_fit(mode, size, WARMUP_STEPS + 2, out + ".warm", accelerator, devices)
     if trainer.is_global_zero:
         result.update(
             step_ms=1000 * step_seconds(cold["batch_ends"]),
@@ -102,8 +41,8 @@ def run_lightning(mode: str, size: str, steps: int, out: str) -> dict[str, Any]:
             worker_peak_rss_mib=cold["worker_peak_rss_mib"],
         )
     batches = min(steps, 40)
-    samples = DEVICE["devices"] * batches * SIZES[size][3]
-    eval_trainer = L.Trainer(strategy=mode, **DEVICE, logger=False, enable_progress_bar=False,
+    samples = devices * batches * SIZES[size][3]
+    eval_trainer = L.Trainer(strategy=mode, accelerator=accelerator, devices=devices, logger=False, enable_progress_bar=False,
                              enable_model_summary=False, limit_val_batches=batches, limit_predict_batches=batches)
     started = time.perf_counter()
     eval_trainer.validate(model, verbose=False)
@@ -155,19 +94,12 @@ def run_torch(size: str, steps: int, out: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=["monarch", "ddp", "ddp_spawn", "torch"], required=True)
-    parser.add_argument("--size", choices=list(SIZES), required=True)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu for the Lightning modes")
-    parser.add_argument("--devices", type=int, default=2)
-    args = parser.parse_args()
-    DEVICE.update(accelerator=args.accelerator, devices=args.devices)
+    args = add_arguments(parser, ("monarch", "ddp", "ddp_spawn", "torch")).parse_args()
     torch.set_num_threads(1)
     if args.mode == "torch":
         run_torch(args.size, args.steps, args.out)
         return
-    result = run_lightning(args.mode, args.size, args.steps, args.out)
+    result = run_lightning(args.mode, args.size, args.steps, args.out, args.accelerator, args.devices)
     if result:
         with open(args.out, "w") as handle:
             json.dump(result, handle)

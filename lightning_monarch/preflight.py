@@ -75,14 +75,23 @@ def table(reports: list[WorkerReport], all_reduce_mib: float) -> str:
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description="Check every worker of a strategy='monarch' mesh.")
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give ``parser`` the command's options; ``lightning-monarch preflight`` has the same ones."""
     parser.add_argument("--devices", type=int, default=1, help="workers per host, as Trainer(devices=...)")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu", "cuda"])
     parser.add_argument("--process-group-backend", default=None)
     parser.add_argument("--all-reduce-mib", type=float, default=64.0)
     parser.add_argument("--all-reduce-limit-s", type=float, default=60.0)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = add_arguments(argparse.ArgumentParser(description="Check every worker of a strategy='monarch' mesh."))
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start a mesh as the Trainer would, check it and print the table: 0 if every worker passed, else 1."""
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the Trainer's info lines are noise here
 
     import lightning as L

@@ -1,4 +1,8 @@
-"""The models the benchmark trains: an MLP sized for a target step time on a 2-core CPU."""
+"""The model the benchmarks train: an MLP classifier in three sizes, on seeded random data.
+
+Used by ``lightning-monarch benchmark`` and by the repository's full suite under ``benchmarks/``.
+Imported by the controller and, by module path, by the workers that train it.
+"""
 
 from __future__ import annotations
 

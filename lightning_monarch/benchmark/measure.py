@@ -1,0 +1,113 @@
+"""One timed ``fit`` of the benchmark model under one strategy; writes its figures as JSON.
+
+    python -m lightning_monarch.benchmark.measure --mode ddp --size medium --steps 26 --out result.json
+
+Runs in a fresh process of its own, the controller under ``monarch``, rank 0 under ``ddp``:
+Lightning's ``ddp`` re-executes the running command for every other rank, so a measurement cannot
+run inside the command that asks for it. ``lightning-monarch benchmark`` starts one of these per
+run; the repository's full suite (``benchmarks/run_one.py``) builds on ``timed_fit``.
+The first ``WARMUP_STEPS`` steps are not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import lightning as L
+import psutil
+import torch
+
+import lightning_monarch  # noqa: F401 - registers strategy="monarch"
+from lightning_monarch.benchmark.models import SIZES, BenchModel
+
+WARMUP_STEPS = 5
+
+
+def peak_rss_mib(pid: Optional[int] = None) -> float:
+    """Peak resident memory (VmHWM) of a process, in MiB."""
+    path = f"/proc/{pid or os.getpid()}/status"
+    with open(path) as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class StepClock(L.Callback):
+    """Records when each training batch ends; on the controller or on DDP's rank 0. Rank 0 writes
+    the times to the file ``BENCHMARK_CLOCK`` names when training ends."""
+
+    def __init__(self) -> None:
+        self.batch_ends: list[float] = []
+        self.worker_peak_rss: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.batch_ends.append(time.perf_counter())
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        workers = [p for p in psutil.Process().children(recursive=True) if "bootstrap_main" in " ".join(p.cmdline())]
+        self.worker_peak_rss = [peak_rss_mib(p.pid) for p in workers] or [peak_rss_mib()]
+        if trainer.is_global_zero:  # ddp_spawn's rank 0 is not the process that called fit
+            with open(os.environ["BENCHMARK_CLOCK"], "w") as handle:
+                json.dump({"batch_ends": self.batch_ends, "worker_peak_rss": self.worker_peak_rss}, handle)
+
+
+def step_seconds(batch_ends: list[float]) -> float:
+    """The median time between two training steps, after the warm-up."""
+    intervals = [b - a for a, b in zip(batch_ends[WARMUP_STEPS:], batch_ends[WARMUP_STEPS + 1 :])]
+    return statistics.median(intervals)
+
+
+def timed_fit(mode: str, size: str, steps: int, out: str, accelerator: str = "cpu",
+              devices: int = 2) -> tuple[L.Trainer, BenchModel, dict[str, Any]]:
+    """One ``fit`` of ``steps`` steps of a model seeded alike in every mode; rank 0's clock
+    (written to ``out`` by ``StepClock``) when this is rank 0."""
+    os.environ["BENCHMARK_CLOCK"] = out
+    torch.manual_seed(0)
+    model = BenchModel(size, batches=steps + WARMUP_STEPS + 2)
+    trainer = L.Trainer(
+        strategy=mode, accelerator=accelerator, devices=devices, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, callbacks=[StepClock()],
+    )
+    started = time.perf_counter()
+    trainer.fit(model)
+    measured: dict[str, Any] = {"fit_s": time.perf_counter() - started}
+    if trainer.is_global_zero:
+        with open(out) as handle:
+            clock = json.load(handle)
+        measured.update(first_step_s=clock["batch_ends"][0] - started, batch_ends=clock["batch_ends"],
+                        worker_peak_rss_mib=clock["worker_peak_rss"])
+    return trainer, model, measured
+
+
+def add_arguments(parser: argparse.ArgumentParser, modes: Sequence[str]) -> argparse.ArgumentParser:
+    """Give ``parser`` the options of one run (this module's and ``benchmarks/run_one.py``'s)."""
+    parser.add_argument("--mode", choices=list(modes), required=True)
+    parser.add_argument("--size", choices=list(SIZES), required=True)
+    parser.add_argument("--steps", type=int, default=100, help=f"training steps; the first {WARMUP_STEPS} are not timed")
+    parser.add_argument("--out", required=True, help="the JSON file to write the figures to")
+    parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu for the Lightning modes")
+    parser.add_argument("--devices", type=int, default=2)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]), ("monarch", "ddp")).parse_args(argv)
+    torch.set_num_threads(1)  # one core per rank in both modes, as Lightning's DDP sets for 2 ranks on 2 cores
+    trainer, _, measured = timed_fit(args.mode, args.size, args.steps, args.out + ".clock", args.accelerator, args.devices)
+    if trainer.is_global_zero:
+        with open(args.out, "w") as handle:
+            json.dump({"step_ms": 1000 * step_seconds(measured["batch_ends"]), "first_step_s": measured["first_step_s"],
+                       "fit_s": measured["fit_s"]}, handle)
+
+
+if __name__ == "__main__":
+    main()

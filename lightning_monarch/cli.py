@@ -1,0 +1,248 @@
+"""``lightning-monarch``: the plugin's command line, with ``info``, ``preflight`` and ``benchmark``.
+
+Runs in the user's shell on the controller's machine (``python -m lightning_monarch`` is the same).
+
+- ``info`` builds the Trainer that ``Trainer(strategy="monarch", ...)`` would build and asks its
+  strategy what it would start (``MonarchStrategy.mesh_key()``), so the two cannot disagree. It
+  starts no worker and initializes no GPU in this process: GPUs are counted through NVML (or
+  amdsmi on ROCm), as Lightning does.
+- ``preflight`` starts the mesh and checks every worker (``lightning_monarch.preflight``).
+- ``benchmark`` times ``monarch`` against ``ddp`` on this machine (``lightning_monarch.benchmark``).
+
+Bad input is rejected before anything starts, with the fix in the message. Exit codes: 0 done,
+1 a check or a run failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import socket
+import sys
+from functools import partial
+from importlib.metadata import version
+from typing import Any, Optional, Union
+
+import lightning as L
+import torch
+from lightning.fabric.accelerators.cuda import num_cuda_devices
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+import lightning_monarch
+from lightning_monarch import preflight
+from lightning_monarch.benchmark.compare import BenchmarkError, compare
+from lightning_monarch.benchmark.models import SIZES
+from lightning_monarch.protocol import VISIBILITY_VARS, versions
+from lightning_monarch.strategy import MonarchStrategy
+
+PROG = "lightning-monarch"
+_GPU = ("gpu", "cuda")
+
+Devices = Union[int, str, list[int]]
+
+
+class UsageError(Exception):
+    """Input that cannot work: the command exits with code 2 and this message."""
+
+
+def _devices_argument(text: str) -> Devices:
+    """``--devices`` as ``Trainer(devices=...)`` takes it: a count, ``auto`` or GPU indices ``0,1``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text) if "," not in text else [int(index) for index in text.split(",") if index.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give the number of workers per host (--devices 2), GPU indices (--devices 0,1) or auto"
+        ) from None
+
+
+def describe(devices: Devices, accelerator: str, num_nodes: int = 1,
+             process_group_backend: Optional[str] = None) -> dict[str, Any]:
+    """Versions, this host's devices, and what ``Trainer(strategy="monarch", ...)`` would start.
+
+    Runs in this process and starts nothing. The workers, their backend and their pinned
+    environments come from the strategy of a real Trainer built with these arguments.
+    """
+    arguments = f"accelerator={accelerator!r}, devices={devices!r}" + (f", num_nodes={num_nodes}" if num_nodes != 1 else "")
+    call = f"Trainer(strategy={_strategy_argument(process_group_backend)}, {arguments})"
+    strategy = MonarchStrategy(process_group_backend=process_group_backend)
+    try:
+        L.Trainer(strategy=strategy, accelerator=accelerator, devices=devices, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False)
+    except (TypeError, ValueError) as error:  # how Lightning rejects some `devices` values
+        raise UsageError(f"`{call}`: {error}") from error
+    key = strategy.mesh_key()
+    # Hosts other than this one come from `MonarchStrategy(hosts=...)`, which connects to them at
+    # `Trainer(...)` time; every host runs the same local ranks.
+    strategy.num_nodes = num_nodes
+    # The workers' own DDPStrategy picks Lightning's default backend for their device.
+    backend = key.process_group_backend or ("nccl" if key.accelerator == "cuda" else "gloo")
+    return {
+        "versions": {"python": platform.python_version(), **versions(), "torchmonarch": version("torchmonarch"),
+                     "lightning_monarch": lightning_monarch.__version__},
+        "host": {
+            "name": socket.gethostname(),
+            "cpus": os.cpu_count(),
+            "gpus": num_cuda_devices(),
+            "visibility": {name: os.environ[name] for name in VISIBILITY_VARS if name in os.environ},
+        },
+        "trainer": {
+            "call": call,
+            "accelerator": key.accelerator,
+            "process_group_backend": f"{backend} (RCCL)" if backend == "nccl" and torch.version.hip else backend,
+            "num_nodes": num_nodes,
+            "workers_per_host": len(key.environments),
+            "workers": strategy.num_workers,
+            "environments": [dict(environment) for environment in key.environments],
+        },
+    }
+
+
+def _strategy_argument(process_group_backend: Optional[str]) -> str:
+    if process_group_backend is None:
+        return "'monarch'"
+    return f"MonarchStrategy(process_group_backend={process_group_backend!r})"
+
+
+def render_info(info: dict[str, Any]) -> str:
+    """``describe``'s answer as text."""
+    found = info["versions"]
+    trainer = info["trainer"]
+    host = info["host"]
+    lines = ["Versions"]
+    lines += [f"  {name:<18}{found[name] or '-'}" for name in
+              ("python", "torch", "cuda", "hip", "lightning", "torchmonarch", "lightning_monarch")]
+    lines += ["", f"This host ({host['name']})", f"  {host['cpus']} CPUs, {host['gpus']} GPU(s) visible to torch"]
+    visibility = " ".join(f"{name}={value}" for name, value in host["visibility"].items())
+    lines.append(f"  visibility variables: {visibility or 'none set'}")
+    where = "on this host" if trainer["num_nodes"] == 1 else (
+        f"({trainer['workers_per_host']} on each of {trainer['num_nodes']} hosts, which MonarchStrategy(hosts=...)"
+        " names: a SlurmJob, KubernetesJob, ProcessJob, HostMesh or worker addresses)")
+    lines += ["", f"{trainer['call']} would start",
+              f"  {trainer['workers']} worker process(es) {where}",
+              f"  accelerator {trainer['accelerator']}, backend {trainer['process_group_backend']}"]
+    lines.append(f"  {'local rank':<12}pinned environment")
+    for rank, environment in enumerate(trainer["environments"]):
+        pinned = " ".join(f"{name}={value}" for name, value in environment.items())
+        lines.append(f"  {rank:<12}{pinned or '- (CPU worker: no device to pin)'}")
+    lines += ["", f"No worker was started. `{PROG} preflight` starts them and checks each one."]
+    return "\n".join(lines)
+
+
+def _check_devices_here(accelerator: str, devices: Devices) -> None:
+    """Raise ``UsageError`` if this host cannot give ``devices`` GPU workers their GPUs."""
+    if accelerator not in _GPU or devices == "auto":
+        return
+    wanted = devices if isinstance(devices, int) else max(devices, default=-1) + 1
+    found = num_cuda_devices()
+    if wanted <= found:
+        return
+    fixes = ["use --accelerator cpu"] + ([f"ask for --devices {found} or fewer"] if found else [])
+    fixes += [f"widen {name}={os.environ[name]}" for name in VISIBILITY_VARS if name in os.environ]
+    if not (torch.version.cuda or torch.version.hip):
+        fixes.append(f"install a CUDA or ROCm build of torch (torch {torch.__version__} is a CPU build)")
+    raise UsageError(
+        f"--accelerator {accelerator} --devices {_shown(devices)} needs {wanted} GPU(s) on this host, but torch sees"
+        f" {found}. To fix it, " + ", or ".join(fixes) + "."
+    )
+
+
+def _shown(devices: Devices) -> str:
+    return ",".join(map(str, devices)) if isinstance(devices, list) else str(devices)
+
+
+def _check_count(devices: Devices) -> None:
+    """Raise ``UsageError`` for a number of workers below 1."""
+    if isinstance(devices, int) and devices < 1:
+        raise UsageError(f"--devices {devices}: give the number of workers per host, 1 or more (e.g. --devices 2).")
+
+
+def _info(args: argparse.Namespace) -> int:
+    """``lightning-monarch info``: print ``describe``'s answer; starts nothing."""
+    _check_count(args.devices)
+    if args.num_nodes < 1:
+        raise UsageError(f"--num-nodes {args.num_nodes}: give the number of hosts, 1 or more.")
+    if args.num_nodes == 1:  # the GPUs of other hosts cannot be counted from here
+        _check_devices_here(args.accelerator, args.devices)
+    info = describe(args.devices, args.accelerator, args.num_nodes, args.process_group_backend)
+    print(json.dumps(info, indent=2) if args.json else render_info(info))
+    return 0
+
+
+def _preflight(args: argparse.Namespace) -> int:
+    """``lightning-monarch preflight``: ``python -m lightning_monarch.preflight``, after this host's checks."""
+    _check_count(args.devices)
+    _check_devices_here(args.accelerator, args.devices)
+    return preflight.run(args)
+
+
+def _benchmark(args: argparse.Namespace) -> int:
+    """``lightning-monarch benchmark``: every run in a process of its own, progress on stderr, the table on stdout."""
+    _check_count(args.devices)
+    if args.steps < 1 or args.reps < 1:
+        raise UsageError(f"--steps {args.steps} --reps {args.reps}: give 1 or more of each (e.g. --steps 20 --reps 2).")
+    _check_devices_here(args.accelerator, args.devices)
+    plan = describe(args.devices, args.accelerator)["trainer"]  # rejects what the Trainer would, before any run
+    progress = partial(print, file=sys.stderr, flush=True)
+    progress(f"Timing {args.steps} steps of the {args.size} model under strategy='monarch' ({plan['workers']}"
+             f" {plan['accelerator']} workers, {plan['process_group_backend']}) and strategy='ddp', {args.reps} time(s)"
+             " each, every run in a fresh process ...")
+    try:
+        comparison = compare(args.size, args.steps, args.accelerator, args.devices, args.reps, progress)
+    except BenchmarkError as error:
+        print(f"{PROG} benchmark: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(comparison.as_dict(), indent=2) if args.json else comparison.table())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one subcommand per tool; ``preflight`` takes ``lightning_monarch.preflight``'s options."""
+    parser = argparse.ArgumentParser(prog=PROG, description="Tools for Lightning's strategy='monarch'.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    info = commands.add_parser("info", help="versions, devices and what strategy='monarch' would start",
+                               description=describe.__doc__.splitlines()[0])
+    info.add_argument("--devices", type=_devices_argument, default="auto", help="as Trainer(devices=...)")
+    info.add_argument("--accelerator", default="auto", choices=["auto", "cpu", *_GPU])
+    info.add_argument("--num-nodes", type=int, default=1, help="as Trainer(num_nodes=...)")
+    info.add_argument("--process-group-backend", default=None, help="as MonarchStrategy(process_group_backend=...)")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.set_defaults(run=_info)
+
+    checks = commands.add_parser("preflight", help="start the workers and check each one",
+                                 description=preflight.__doc__.splitlines()[0])
+    preflight.add_arguments(checks).set_defaults(run=_preflight)
+
+    benchmark = commands.add_parser("benchmark", help="time strategy='monarch' against 'ddp' here",
+                                    description="Time strategy='monarch' against strategy='ddp' on this machine.")
+    benchmark.add_argument("--devices", type=int, default=2, help="workers (ddp: ranks) on this host")
+    benchmark.add_argument("--accelerator", default="auto", choices=["auto", "cpu", *_GPU])
+    benchmark.add_argument("--size", default="medium", choices=list(SIZES), help="the model's size")
+    benchmark.add_argument("--steps", type=int, default=20, help="timed training steps per run, after a warm-up")
+    benchmark.add_argument("--reps", type=int, default=2, help="runs per strategy, alternating")
+    benchmark.add_argument("--json", action="store_true", help="print JSON")
+    benchmark.set_defaults(run=_benchmark)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The ``lightning-monarch`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the Trainer's info lines are noise here
+    try:
+        return args.run(args)
+    except (UsageError, MisconfigurationException) as error:
+        print(f"{PROG} {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # the processes it started were stopped on the way out
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
