@@ -12,11 +12,13 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_monarch import _compat
 from lightning_monarch.accelerator import WorkerGPUAccelerator
 from lightning_monarch.controller.pool import stop_meshes
+from lightning_monarch.controller.stats import MeshStatsMonitor
 from lightning_monarch.errors import MeshFailureError, UnreachableHostsError, WorkerError, WorkerTimeoutError
 from lightning_monarch.strategy import MonarchStrategy
 
 __all__ = [
     "MeshFailureError",
+    "MeshStatsMonitor",
     "MonarchStrategy",
     "WorkerError",
     "WorkerGPUAccelerator",

@@ -392,3 +392,15 @@ class CheckpointState:
     optimizers: list[dict[str, Any]]
     lr_schedulers: list[dict[str, Any]]
     callbacks: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One worker's answer to a stats read for ``MeshStatsMonitor`` (see ``worker.stats``), taken
+    where its loop is parked: named values with their unit in the name (``rss_mib``,
+    ``step_time_ms``, ...), and, once per worker process, why a GPU tool gives nothing (``None``
+    when nothing is missing)."""
+
+    rank: int
+    values: dict[str, float]
+    missing: Optional[str] = None

@@ -29,7 +29,7 @@ from lightning_monarch.controller.output import WorkerOutput
 from lightning_monarch.controller.pool import MeshKey
 from lightning_monarch.controller.session import StageSession
 from lightning_monarch.launcher import MonarchLauncher
-from lightning_monarch.protocol import CheckpointState
+from lightning_monarch.protocol import CheckpointState, RankStats
 
 #: Keyword arguments of ``DistributedDataParallel`` that the workers' ``DDPStrategy`` passes on.
 _DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
@@ -277,6 +277,16 @@ class MonarchStrategy(ParallelStrategy):
         """The process IDs of the stage's workers, in rank order (new ones after a restart); empty
         outside a stage."""
         return self._session.worker_pids if self._session is not None else []
+
+    def read_worker_stats(self) -> list[RankStats]:
+        """Runs on the controller: every worker's device, process and step-time stats, in rank
+        order, read where the workers' loops are parked (one message to every worker; see
+        ``MeshStatsMonitor``). Only during a stage."""
+        if self._session is None:
+            raise RuntimeError(
+                "The workers' stats can only be read while a `fit`, `validate`, `test` or `predict` runs."
+            )
+        return self._session.read_stats()
 
     def attach(self, session: Optional[StageSession]) -> None:
         """Runs on the controller: the session of the stage in progress, or ``None`` after it."""

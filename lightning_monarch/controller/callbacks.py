@@ -30,6 +30,8 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_monarch.controller.stats import MeshStatsMonitor
+
 #: Callback hooks that see live gradients: Lightning calls them inside backward and the step.
 GRADIENT_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 
@@ -65,7 +67,11 @@ _UNSUPPORTED = {
 }
 
 #: Callbacks that must see the whole run once: on the controller only.
-_CONTROLLER_ONLY = (Checkpoint, EarlyStopping, ProgressBar, GradientAccumulationScheduler)
+_CONTROLLER_ONLY = (Checkpoint, EarlyStopping, ProgressBar, GradientAccumulationScheduler, MeshStatsMonitor)
+
+#: Controller callbacks that ask the workers for what they need in messages of their own, in order
+#: after the hook's burst: no gate waits for their hooks (L4).
+READS_WORKERS_ITSELF = (MeshStatsMonitor,)
 
 
 def check_controller_callbacks(callbacks: Iterable[Callback]) -> None:

@@ -33,6 +33,7 @@ from lightning_monarch.protocol import (  # noqa: E402
     Finish,
     Peek,
     PreflightSpec,
+    RankStats,
     ResumePoint,
     StageSpec,
     WorkerFailure,
@@ -223,6 +224,12 @@ class WorkerMesh:
         """Rank 0's ``trainer.<view>``; every rank takes part, for metrics synced across ranks."""
         self.flush()
         return next(value for value in self._send(_Message("read_metrics", (view,))) if value is not None)
+
+    def read_stats(self) -> list[RankStats]:
+        """Every rank's device, process and step-time stats (``worker.stats``), in rank order; a
+        pure read, never replayed on new workers."""
+        self.flush()
+        return _by_rank(self._send(_Message("read_stats", replay=False)))
 
     def checkpoint_state(self) -> CheckpointState:
         """Rank 0's model, optimizer and LR-scheduler state at the point the loop has reached."""

@@ -18,7 +18,7 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule, Tr
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_monarch import _compat
-from lightning_monarch.controller.callbacks import check_controller_callbacks
+from lightning_monarch.controller.callbacks import READS_WORKERS_ITSELF, check_controller_callbacks
 from lightning_monarch.controller.metrics import mirror_metrics
 from lightning_monarch.controller.mesh import WorkerMesh
 from lightning_monarch.controller.mirrors import WorkerLoaders, optimizer_mirrors, plan_loaders
@@ -34,6 +34,7 @@ from lightning_monarch.protocol import (
     CheckpointState,
     Finish,
     Peek,
+    RankStats,
     WorkerReply,
     control_state,
     gate_id,
@@ -152,9 +153,10 @@ class StageSession:
 
     def _must_wait(self, gate: str) -> bool:
         """Whether the controller needs anything back from gate ``gate`` (L4): the result or the
-        effects of user code, or the state a controller callback on that hook may read. A hook the
-        user did not override returns what Lightning's base implementation returns here. A module
-        hook also waits for the worker callbacks of the same hook, which run just before it."""
+        effects of user code, or the state a controller callback on that hook may read (not one that
+        asks the workers itself, ``READS_WORKERS_ITSELF``). A hook the user did not override returns
+        what Lightning's base implementation returns here. A module hook also waits for the worker
+        callbacks of the same hook, which run just before it."""
         if gate not in self._wait:
             owner, hook = gate.split(".", 1)
             if gate == "module.optimizer_step":
@@ -164,7 +166,10 @@ class StageSession:
                     owner == "module" and _any_overrides(hook, self._worker_callbacks)
                 )
             else:
-                controller_callbacks = [cb for cb in self._trainer.callbacks if cb is not self._gate_callback]
+                controller_callbacks = [
+                    cb for cb in self._trainer.callbacks
+                    if cb is not self._gate_callback and not isinstance(cb, READS_WORKERS_ITSELF)
+                ]
                 wait = _any_overrides(hook, controller_callbacks)
             self._wait[gate] = wait
         return self._wait[gate]
@@ -266,6 +271,10 @@ class StageSession:
     def read_metrics(self, view: str) -> dict[str, Any]:
         """Rank 0's ``trainer.<view>`` at the point both loops have reached."""
         return self._mesh.read_metrics(view)
+
+    def read_stats(self) -> list[RankStats]:
+        """Every rank's stats (``worker.stats``) at the point both loops have reached, in rank order."""
+        return self._mesh.read_stats()
 
     def checkpoint_state(self) -> CheckpointState:
         """Rank 0's model, optimizer and scheduler state here; read once per loop position. After

@@ -22,6 +22,7 @@ from lightning_monarch.protocol import (
     Peek,
     PreflightSpec,
     RankSnapshot,
+    RankStats,
     StageSpec,
     WorkerFailure,
     WorkerReply,
@@ -30,6 +31,7 @@ from lightning_monarch.protocol import (
 from lightning_monarch.worker.loop import StageLoop
 from lightning_monarch.worker.preflight import inspect_worker
 from lightning_monarch.worker.stage import build_stage
+from lightning_monarch.worker.stats import RankStatsReader
 
 
 class MonarchWorker(Actor):
@@ -37,6 +39,7 @@ class MonarchWorker(Actor):
 
     def __init__(self) -> None:
         self._stage: Optional[StageLoop] = None
+        self._stats = RankStatsReader()
 
     @property
     def _rank(self) -> int:
@@ -113,6 +116,11 @@ class MonarchWorker(Actor):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> Union[dict[str, Any], WorkerFailure]:
         """Let rank 0's worker callbacks and module add to the checkpoint the controller is writing."""
         return self._out_of_band(lambda reader: reader.on_save_checkpoint(checkpoint), "on_save_checkpoint")
+
+    @endpoint
+    def read_stats(self) -> Union[RankStats, WorkerFailure]:
+        """This rank's device, process and step-time stats where the loop is parked (``worker.stats``)."""
+        return self._out_of_band(lambda reader: self._stats.read(self._rank, reader.module.trainer), "stats")
 
     def _out_of_band(self, fn: Callable[[Any], Any], what: str) -> Any:
         stage = self._stage

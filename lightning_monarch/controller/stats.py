@@ -1,0 +1,197 @@
+"""``MeshStatsMonitor``: every worker's device and process stats in the controller's loggers.
+
+Runs on the controller. Under ``strategy="monarch"`` the devices belong to the workers, so
+Lightning's ``DeviceStatsMonitor`` can only run there, once per rank, and each rank's values
+would reach the loggers through rank 0 only. This callback asks all workers at once, at a chosen
+interval, and logs every rank side by side; it also watches for a rank that stays slower than the
+others (a straggler), which every rank waits for at each gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_monarch.protocol import RankStats
+
+
+class MeshStatsMonitor(Callback):
+    """Log every worker's device and process stats, and warn about stragglers.
+
+    Runs on the controller, under ``Trainer(strategy="monarch")``: pass it in
+    ``Trainer(callbacks=[MeshStatsMonitor(...)])``. Every ``logging_interval`` training steps
+    (``trainer.global_step``) it reads all workers' stats in one message and logs them through
+    every logger of the Trainer as ``mesh/rank{rank}/{name}`` at ``step=trainer.global_step``, so
+    one logger shows every rank:
+
+    | name | workers | source |
+    | --- | --- | --- |
+    | ``step_time_ms`` | all | the rank's mean training-batch time (below) |
+    | ``rss_mib`` | all | the worker process's resident memory (psutil) |
+    | ``cpu_time_s`` | all | its user + system CPU time so far (psutil) |
+    | ``cpu_utilization_percent`` | all | its CPU time over wall time since the last read; 100 is one core |
+    | ``memory_allocated_mib``, ``memory_reserved_mib``, ``memory_peak_mib`` | GPU (CUDA, ROCm) | ``torch.cuda.memory_stats``: torch's allocator, HIP-backed on ROCm |
+    | ``gpu_utilization_percent``, ``temperature_c``, ``power_w`` | GPU with NVML or amdsmi | NVML (``pip install nvidia-ml-py``) on NVIDIA, ``amdsmi`` on ROCm, through ``torch.cuda``'s readers |
+
+    A missing NVML or amdsmi is reported in one warning, and the rest is logged; it never fails
+    the run.
+
+    **Step time.** Measured on each worker, from its ``on_train_batch_start`` to its first
+    ``on_before_backward`` (its ``training_step``: forward and loss), averaged over the batches
+    since the last read; on GPUs with CUDA/HIP events, the device's own time. That is the work a
+    rank does alone: the gradient all-reduce in backward makes every rank wait for the slowest, so
+    whole-step times would be equal and hide a straggler. Collectives inside ``training_step``
+    (``self.log(..., sync_dist=True)`` on every step, ``SyncBatchNorm``) make the ranks wait for
+    each other there too, and hide a straggler likewise. The controller cannot time the steps
+    itself: it sends a step without waiting for it.
+
+    **Stragglers.** After each read, a rank whose step time is above ``straggler_factor`` times the
+    median of the other ranks' counts one interval; after ``straggler_intervals`` such intervals
+    in a row, a warning names the rank (once per streak).
+
+    **Cost.** One read of every worker per ``logging_interval`` steps, plus one at
+    ``on_train_start`` (it starts the workers' step timers); nothing per step: no gate waits for
+    this callback's hooks. A read goes after the step's messages, in order, and is served where
+    the workers' loops are parked: a round trip (about 2 ms for 2 CPU workers on a 2-core host),
+    each worker's reads (psutil's take microseconds, NVML or amdsmi a few milliseconds) and, on a
+    GPU, a wait for the last timed batch's forward pass to finish on the device. Training itself
+    is unchanged: the weights and metrics are bit for bit those of a run without the monitor.
+
+    Args:
+        logging_interval: log every this many training steps; a whole number >= 1.
+        straggler_factor: how many times slower than the median of the other ranks a rank must be
+            to count as a straggler for an interval; a number > 1.
+        straggler_intervals: how many logging intervals in a row a rank must be that slow before
+            the warning; a whole number >= 1.
+
+    Raises:
+        ValueError: for arguments outside those ranges.
+        MisconfigurationException: at ``setup``, under any strategy but ``"monarch"`` (use
+            Lightning's ``DeviceStatsMonitor`` there), or for a Trainer without a logger.
+
+    Example::
+
+        import lightning as L
+        import lightning_monarch
+        from lightning_monarch import MeshStatsMonitor
+
+        trainer = L.Trainer(strategy="monarch", devices=8, callbacks=[MeshStatsMonitor(logging_interval=50)])
+    """
+
+    def __init__(self, logging_interval: int = 50, straggler_factor: float = 1.5, straggler_intervals: int = 3) -> None:
+        if not _is_count(logging_interval):
+            raise ValueError(
+                f"`MeshStatsMonitor(logging_interval={logging_interval!r})`: give a whole number of training steps"
+                " >= 1, e.g. `MeshStatsMonitor(logging_interval=50)`."
+            )
+        if isinstance(straggler_factor, bool) or not isinstance(straggler_factor, (int, float)) or straggler_factor <= 1:
+            raise ValueError(
+                f"`MeshStatsMonitor(straggler_factor={straggler_factor!r})`: give a number > 1, how many times"
+                " slower than the median of the other ranks a straggler is, e.g. `straggler_factor=1.5`."
+            )
+        if not _is_count(straggler_intervals):
+            raise ValueError(
+                f"`MeshStatsMonitor(straggler_intervals={straggler_intervals!r})`: give a whole number >= 1 of"
+                " logging intervals in a row, e.g. `straggler_intervals=3`."
+            )
+        self.logging_interval = logging_interval
+        self.straggler_factor = float(straggler_factor)
+        self.straggler_intervals = straggler_intervals
+        self._stragglers = StragglerWatch(self.straggler_factor, straggler_intervals)
+        self._interval = 0
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # imported here: the strategy's callback rules (``controller.callbacks``) import this module
+        from lightning_monarch.strategy import MonarchStrategy
+
+        if not isinstance(trainer.strategy, MonarchStrategy):
+            raise MisconfigurationException(
+                f"`MeshStatsMonitor` reads the workers of `Trainer(strategy='monarch')` from its controller, and this"
+                f" Trainer's strategy is `{type(trainer.strategy).__name__}`. Under other strategies use Lightning's"
+                " `Trainer(callbacks=[DeviceStatsMonitor()])`, or train with"
+                " `Trainer(strategy='monarch', callbacks=[MeshStatsMonitor(...)])`."
+            )
+        if not trainer.loggers:
+            raise MisconfigurationException(
+                "`MeshStatsMonitor` logs through the Trainer's loggers, and this Trainer has none: pass one, e.g."
+                " `Trainer(logger=CSVLogger('logs'))`, or remove the callback."
+            )
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stragglers = StragglerWatch(self.straggler_factor, self.straggler_intervals)
+        self._interval = trainer.global_step // self.logging_interval
+        # the first read starts each worker's step timer; its values are the baseline, not logged
+        _read(trainer)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        interval = trainer.global_step // self.logging_interval
+        if interval == self._interval:
+            return
+        self._interval = interval
+        stats = _read(trainer)
+        metrics = {f"mesh/rank{rank.rank}/{name}": value for rank in stats for name, value in rank.values.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        step_times = {rank.rank: rank.values["step_time_ms"] for rank in stats if "step_time_ms" in rank.values}
+        for rank, time_ms, others_ms in self._stragglers.update(step_times):
+            rank_zero_warn(
+                f"MeshStatsMonitor: worker rank {rank} is a straggler: its step time has been above"
+                f" {self.straggler_factor:g}x the median of the other ranks for {self.straggler_intervals} logging"
+                f" intervals in a row ({time_ms:.1f} ms against {others_ms:.1f} ms at step {trainer.global_step})."
+                f" Every rank waits for it at each gradient all-reduce. Compare its `mesh/rank{rank}/...` metrics"
+                " and its host's load with the other ranks'."
+            )
+
+
+class StragglerWatch:
+    """Runs on the controller: per rank, how many reads in a row its step time was above
+    ``factor`` times the median of the other ranks'. A read without a rank's step time (new
+    workers after a restart) ends its streak."""
+
+    def __init__(self, factor: float, intervals: int) -> None:
+        self._factor = factor
+        self._intervals = intervals
+        self._streaks: dict[int, int] = {}
+
+    def update(self, step_times_ms: dict[int, float]) -> list[tuple[int, float, float]]:
+        """Count one read; return ``(rank, its time, the others' median)`` for each rank whose
+        streak reached ``intervals`` with this read."""
+        streaks, found = {}, []
+        for rank, time_ms in step_times_ms.items():
+            others = [other for other_rank, other in step_times_ms.items() if other_rank != rank]
+            if not others:
+                continue
+            median = statistics.median(others)
+            if time_ms > self._factor * median:
+                streaks[rank] = self._streaks.get(rank, 0) + 1
+                if streaks[rank] == self._intervals:
+                    found.append((rank, time_ms, median))
+        self._streaks = streaks
+        return found
+
+
+def _read(trainer: Trainer) -> list[RankStats]:
+    stats = trainer.strategy.read_worker_stats()  # type: ignore[attr-defined]
+    warn_missing_tools(stats)
+    return stats
+
+
+def warn_missing_tools(stats: list[RankStats]) -> None:
+    """Runs on the controller: one warning per reason a GPU tool gave nothing, naming the ranks
+    (each worker reports its reason once, on its first read)."""
+    ranks_by_reason: dict[str, list[int]] = {}
+    for rank in stats:
+        if rank.missing is not None:
+            ranks_by_reason.setdefault(rank.missing, []).append(rank.rank)
+    for reason, ranks in ranks_by_reason.items():
+        rank_zero_warn(f"MeshStatsMonitor, worker ranks {ranks}: {reason}")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -1,0 +1,200 @@
+"""One rank's device, process and step-time stats, read for the controller's ``MeshStatsMonitor``.
+
+Runs in each worker process, on the stage's loop thread while it is parked at a gate
+(``StageLoop.out_of_band``), so the values belong to the point both loops have reached. Nothing
+here runs until the controller asks: the first read of a stage appends a :class:`StepTimer` to
+the rank's Trainer, and a GPU worker tries its GPU tool on its first read. Sources:
+
+- every worker: its process's resident memory and CPU time (``psutil``), and its step times;
+- a GPU worker (CUDA, or ROCm through the same ``torch.cuda`` API): ``torch.cuda.memory_stats``,
+  HIP-backed on ROCm, and utilization, temperature and power from NVML (``nvidia-ml-py``) on
+  NVIDIA or ``amdsmi`` on ROCm where installed. Without the tool, torch's memory stats remain and
+  the first read says why (:attr:`~lightning_monarch.protocol.RankStats.missing`); it never fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from typing import Any, Optional, Union
+
+import psutil
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_monarch.protocol import RankStats
+
+_MIB = 2**20
+
+#: Per GPU platform: the module behind ``torch.cuda.utilization``/``temperature``/``power_draw``,
+#: the tool's name, and how to install it.
+_GPU_TOOLS = {
+    "NVIDIA": ("pynvml", "NVML", "`pip install nvidia-ml-py`"),
+    "ROCm": ("amdsmi", "amdsmi", "ROCm's `amdsmi` Python package (`pip install /opt/rocm/share/amd_smi`)"),
+}
+
+
+class _WallClock:
+    """Host time, for a CPU worker, whose work is done when its Python call returns."""
+
+    @staticmethod
+    def mark() -> float:
+        return time.perf_counter()
+
+    @staticmethod
+    def elapsed_ms(start: float, end: float) -> float:
+        return (end - start) * 1e3
+
+
+class _EventClock:
+    """Device time, for a GPU worker: CUDA/HIP events on the current stream. GPU work is
+    asynchronous, so host time would measure only the kernel launches; the events measure the
+    GPU's own timeline without synchronizing any step. Reading waits for the last event only."""
+
+    @staticmethod
+    def mark() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def elapsed_ms(start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+class StepTimer(Callback):
+    """Runs in each worker, added to the rank's Trainer by the stage's first stats read: times this
+    rank's training batches from its ``on_train_batch_start`` to its first ``on_before_backward``,
+    i.e. its ``training_step`` (forward and loss).
+
+    That is the work a rank does alone: under DDP the gradient all-reduce in backward makes every
+    rank wait for the slowest, so a whole step takes as long on every rank and would hide a
+    straggler. Batches without a backward (a ``training_step`` that returns ``None``, manual
+    optimization without ``manual_backward``) are not timed. The span also holds any wait of the
+    rank at a gate inside it for the controller's next message (a module that overrides
+    ``on_train_batch_start``): the same short wait on every rank.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._clock: Union[_WallClock, _EventClock] = _EventClock() if device.type == "cuda" else _WallClock()
+        self._started: Any = None
+        self._spans: list[tuple[Any, Any]] = []
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._started = self._clock.mark()
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        if self._started is not None:
+            self._spans.append((self._started, self._clock.mark()))
+            self._started = None
+
+    def take_mean_ms(self) -> Optional[float]:
+        """The mean time of the batches timed since the last call; ``None`` if none was."""
+        spans, self._spans = self._spans, []
+        if not spans:
+            return None
+        return sum(self._clock.elapsed_ms(start, end) for start, end in spans) / len(spans)
+
+
+class GpuSensors:
+    """Runs in each GPU worker: its GPU's memory from torch's caching allocator, and its
+    utilization, temperature and power from NVML (NVIDIA) or amdsmi (ROCm).
+
+    The tool's readings go through ``torch.cuda.utilization``, ``temperature`` and
+    ``power_draw``, which map the worker's visible device to the tool's own device index (on ROCm
+    through ``HIP_VISIBLE_DEVICES``; a GPU chosen with ``ROCR_VISIBLE_DEVICES`` alone cannot be
+    mapped, and is treated as a tool that fails rather than read as another GPU). When the tool is
+    missing or fails, the first read returns why and later reads give torch's memory stats alone.
+    """
+
+    def __init__(self) -> None:
+        self._tool_works = True
+
+    def read(self) -> tuple[dict[str, float], Optional[str]]:
+        """The readings, and on the read where the tool first failed, why."""
+        values = _allocator_stats()
+        if not self._tool_works:
+            return values, None
+        platform = "ROCm" if torch.version.hip else "NVIDIA"
+        try:
+            values.update(_tool_readings(platform))
+        except Exception as error:  # a missing or unusable tool degrades, never fails the run
+            self._tool_works = False
+            _, tool, install = _GPU_TOOLS[platform]
+            fix = f" Install {install} on the workers' hosts for the rest." if isinstance(error, ImportError) else ""
+            return values, (
+                f"GPU utilization, temperature and power on {platform} come from {tool}, which this worker"
+                f" cannot use ({type(error).__name__}: {error}). Only torch's memory stats are logged.{fix}"
+            )
+        return values, None
+
+
+def _allocator_stats() -> dict[str, float]:
+    """Memory of torch's caching allocator on this worker's GPU; nothing before CUDA started."""
+    stats = torch.cuda.memory_stats()
+    if not stats:
+        return {}
+    return {
+        "memory_allocated_mib": stats["allocated_bytes.all.current"] / _MIB,
+        "memory_reserved_mib": stats["reserved_bytes.all.current"] / _MIB,
+        "memory_peak_mib": stats["allocated_bytes.all.peak"] / _MIB,
+    }
+
+
+def _tool_readings(platform: str) -> dict[str, float]:
+    """Utilization, temperature and power of this worker's GPU from NVML or amdsmi; raises when the
+    tool is missing or cannot read this GPU."""
+    rocr_devices = os.environ.get("ROCR_VISIBLE_DEVICES")
+    if platform == "ROCm" and rocr_devices is not None and os.environ.get("HIP_VISIBLE_DEVICES") is None:
+        raise RuntimeError(
+            f"this worker's GPU is chosen with ROCR_VISIBLE_DEVICES={rocr_devices!r}, which torch's amdsmi readers"
+            " do not map to the GPU's amdsmi index (they would read another GPU). Choose the workers' GPUs with"
+            " HIP_VISIBLE_DEVICES instead of ROCR_VISIBLE_DEVICES"
+        )
+    # the module behind torch's readers: a missing one raises ImportError, answered with how to install it
+    importlib.import_module(_GPU_TOOLS[platform][0])
+    power = float(torch.cuda.power_draw())
+    return {
+        "gpu_utilization_percent": float(torch.cuda.utilization()),
+        "temperature_c": float(torch.cuda.temperature()),
+        # NVML reports milliwatts, amdsmi watts
+        "power_w": power if platform == "ROCm" else power / 1e3,
+    }
+
+
+class RankStatsReader:
+    """Runs in each worker, one per process: answers the controller's stats reads."""
+
+    def __init__(self) -> None:
+        self._gpu = GpuSensors()
+        #: Wall-clock and CPU time at the last read, for the CPU utilization in between.
+        self._last: Optional[tuple[float, float]] = None
+
+    def read(self, rank: int, trainer: Trainer) -> RankStats:
+        """This rank's stats now; the first read of a stage starts timing its steps."""
+        device = trainer.strategy.root_device
+        timer = next((callback for callback in trainer.callbacks if isinstance(callback, StepTimer)), None)
+        if timer is None:
+            timer = StepTimer(device)
+            trainer.callbacks.append(timer)
+        values = self._process_stats()
+        step_time = timer.take_mean_ms()
+        if step_time is not None:
+            values["step_time_ms"] = step_time
+        missing = None
+        if device.type == "cuda":
+            gpu, missing = self._gpu.read()
+            values.update(gpu)
+        return RankStats(rank=rank, values=values, missing=missing)
+
+    def _process_stats(self) -> dict[str, float]:
+        process = psutil.Process()
+        times = process.cpu_times()
+        now, cpu_time = time.monotonic(), times.user + times.system
+        values = {"rss_mib": process.memory_info().rss / _MIB, "cpu_time_s": cpu_time}
+        if self._last is not None and now > self._last[0]:
+            values["cpu_utilization_percent"] = 100.0 * (cpu_time - self._last[1]) / (now - self._last[0])
+        self._last = (now, cpu_time)
+        return values

@@ -1,0 +1,205 @@
+"""``MeshStatsMonitor``: every worker's stats in the controller's loggers at the chosen steps, training
+left unchanged, stragglers named, and missing GPU tools degrading to torch's own stats."""
+
+from __future__ import annotations
+
+import csv
+import sys
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_monarch import MeshStatsMonitor, MonarchStrategy
+from lightning_monarch.controller.mesh import WorkerMesh
+from lightning_monarch.controller.stats import warn_missing_tools
+from lightning_monarch.protocol import RankStats
+from lightning_monarch.worker.stats import GpuSensors
+from tests.models import Classifier, WarmupClassifier
+from tests.parity_cases import SEED
+
+pytestmark = pytest.mark.timeout(120)
+
+#: Classifier: 96 samples, 2 ranks, batches of 8: 6 steps per epoch.
+EPOCHS, STEPS_PER_EPOCH, INTERVAL = 2, 6, 4
+#: What every worker logs, CPU workers included.
+PER_RANK = ("rss_mib", "cpu_time_s", "cpu_utilization_percent", "step_time_ms")
+
+
+def _fit(model: L.LightningModule, log_dir: Path, callbacks: list[Any], **kwargs: Any) -> L.Trainer:
+    options = dict(strategy="monarch", accelerator="cpu", devices=2, max_epochs=EPOCHS, limit_val_batches=0,
+                   num_sanity_val_steps=0, log_every_n_steps=2, enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False, logger=CSVLogger(log_dir, name="", version=""))
+    trainer = L.Trainer(**{**options, **kwargs}, callbacks=callbacks)
+    trainer.fit(model)
+    return trainer
+
+
+@dataclass
+class Run:
+    """What one fit left behind, for the tests to compare."""
+
+    weights: dict[str, torch.Tensor]
+    callback_metrics: dict[str, float]
+    rows: list[dict[str, str]]
+    messages: Counter
+
+
+@pytest.fixture(
+    scope="module", params=[Classifier, WarmupClassifier], ids=["step-sent-without-waiting", "step-waited-for"]
+)
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+    """The same seeded fit with and without the monitor, with the messages each sent to the workers; for a
+    module whose step the controller sends without waiting (Lightning's own ``optimizer_step``) and for one
+    whose step it waits for (an overridden ``optimizer_step``)."""
+    results = {}
+    with pytest.MonkeyPatch.context() as patch:
+        messages: Counter = Counter()
+        send = WorkerMesh._send
+
+        def counted(mesh: WorkerMesh, message: Any) -> Any:
+            messages[message.endpoint] += 1
+            return send(mesh, message)
+
+        patch.setattr(WorkerMesh, "_send", counted)
+        for name, callbacks in (("plain", []), ("monitored", [MeshStatsMonitor(logging_interval=INTERVAL)])):
+            messages.clear()
+            L.seed_everything(SEED)
+            model = request.param()
+            log_dir = tmp_path_factory.mktemp(name)
+            trainer = _fit(model, log_dir, callbacks)
+            with open(log_dir / "metrics.csv") as file:
+                rows = list(csv.DictReader(file))
+            results[name] = Run(
+                weights={key: value.clone() for key, value in model.state_dict().items()},
+                callback_metrics={key: float(value) for key, value in trainer.callback_metrics.items()},
+                rows=rows,
+                messages=Counter(messages),
+            )
+    yield results
+
+
+def test_every_rank_is_logged_at_the_chosen_steps_only(runs: dict[str, Run]) -> None:
+    rows = runs["monitored"].rows
+    stats_rows = [row for row in rows if any(value and key.startswith("mesh/") for key, value in row.items())]
+    assert [int(row["step"]) for row in stats_rows] == list(range(INTERVAL, EPOCHS * STEPS_PER_EPOCH + 1, INTERVAL))
+    for row in stats_rows:
+        for rank in (0, 1):
+            values = {name: float(row[f"mesh/rank{rank}/{name}"]) for name in PER_RANK}
+            assert 10 < values["rss_mib"] < 100_000 and values["cpu_time_s"] > 0 and values["step_time_ms"] > 0, values
+            assert values["cpu_utilization_percent"] >= 0, "CPU time counts in ticks: a short interval may show 0"
+    assert not any(key.startswith("mesh/rank2/") for key in rows[0]), "only the two workers"
+    assert any(row.get("train_loss_step") for row in rows), "the module's own values are logged as before"
+
+
+def test_training_is_unchanged(runs: dict[str, Run]) -> None:
+    plain, monitored = runs["plain"], runs["monitored"]
+    assert plain.weights.keys() == monitored.weights.keys()
+    assert all(torch.equal(plain.weights[key], monitored.weights[key]) for key in plain.weights)
+    assert plain.callback_metrics == monitored.callback_metrics
+
+
+def test_the_workers_are_read_only_at_the_interval(runs: dict[str, Run]) -> None:
+    plain, monitored = runs["plain"].messages, runs["monitored"].messages
+    reads = EPOCHS * STEPS_PER_EPOCH // INTERVAL
+    assert monitored["read_stats"] == 1 + reads, "one read per interval, and one at on_train_start"
+    assert "read_stats" not in plain
+    # no gate waits for the monitor's hooks: besides its reads, at most the waiting burst leaves ahead of each
+    assert monitored["advance"] - plain["advance"] <= monitored["read_stats"], (plain, monitored)
+
+
+class StragglerClassifier(Classifier):
+    """Rank 1 is slow in every training step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1:
+            time.sleep(0.05)
+        return super().training_step(batch, batch_idx)
+
+
+class BalancedClassifier(Classifier):
+    """Every rank is equally slow, long enough for timing noise on a busy machine not to matter."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        time.sleep(0.02)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("model_class", [StragglerClassifier, BalancedClassifier])
+def test_a_straggler_is_named(model_class: type, tmp_path: Path) -> None:
+    monitor = MeshStatsMonitor(logging_interval=2, straggler_factor=1.5, straggler_intervals=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit(model_class(), tmp_path, [monitor], max_epochs=1, limit_train_batches=6)
+    stragglers = [str(warning.message) for warning in caught if "straggler" in str(warning.message)]
+    if model_class is BalancedClassifier:
+        assert stragglers == []
+    else:
+        assert len(stragglers) == 1, stragglers
+        assert "worker rank 1 is a straggler" in stragglers[0]
+        assert "2 logging intervals in a row" in stragglers[0]
+
+
+@pytest.mark.parametrize(
+    ("hip", "environment", "reason", "fix"),
+    [
+        (None, {}, "come from NVML, which this worker cannot use (ModuleNotFoundError", "pip install nvidia-ml-py"),
+        ("6.2.41133", {}, "come from amdsmi, which this worker cannot use (ModuleNotFoundError", "pip install /opt/rocm"),
+        ("6.2.41133", {"ROCR_VISIBLE_DEVICES": "1"}, "chosen with ROCR_VISIBLE_DEVICES='1'", "with HIP_VISIBLE_DEVICES"),
+    ],
+    ids=["nvidia-without-nvml", "rocm-without-amdsmi", "rocm-pinned-by-rocr"],
+)
+def test_a_gpu_tool_that_cannot_be_used_degrades_to_torch_with_one_warning(
+    hip: Any, environment: dict[str, str], reason: str, fix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.version, "hip", hip)
+    for module in ("pynvml", "amdsmi"):
+        monkeypatch.setitem(sys.modules, module, None)  # not installed
+    monkeypatch.delenv("HIP_VISIBLE_DEVICES", raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    sensors = GpuSensors()
+    values, missing = sensors.read()
+    assert values == {}, "what torch's allocator knows: nothing, in a process without CUDA"
+    assert missing is not None and reason in missing and fix in missing, missing
+    assert "Only torch's memory stats are logged" in missing
+    with pytest.warns(UserWarning) as recorded:
+        warn_missing_tools([RankStats(rank, values, missing) for rank in (0, 1)])
+    assert len(recorded) == 1 and "worker ranks [0, 1]" in str(recorded[0].message)
+    assert sensors.read() == ({}, None), "later reads neither warn again nor fail"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"logging_interval": 0}, r"logging_interval=0\)`: give a whole number"),
+        ({"logging_interval": "10"}, r"logging_interval='10'\)`: give a whole number"),
+        ({"logging_interval": 2.5}, r"logging_interval=2.5\)`: give a whole number"),
+        ({"straggler_factor": 1}, r"straggler_factor=1\)`: give a number > 1"),
+        ({"straggler_intervals": 0}, r"straggler_intervals=0\)`: give a whole number"),
+    ],
+)
+def test_bad_arguments_are_rejected(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MeshStatsMonitor(**kwargs)
+
+
+def test_other_strategies_and_places_are_rejected(tmp_path: Path) -> None:
+    ddp = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=CSVLogger(tmp_path))
+    with pytest.raises(MisconfigurationException, match=r"strategy is `DDPStrategy`.*callbacks=\[DeviceStatsMonitor\(\)\]"):
+        MeshStatsMonitor().setup(ddp, Classifier(), "fit")
+    without_logger = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, logger=False)
+    with pytest.raises(MisconfigurationException, match="this Trainer has none"):
+        MeshStatsMonitor().setup(without_logger, Classifier(), "fit")
+    on_workers = L.Trainer(strategy=MonarchStrategy(worker_callbacks=[MeshStatsMonitor()]), accelerator="cpu",
+                           devices=2, logger=CSVLogger(tmp_path), max_epochs=1)
+    with pytest.raises(MisconfigurationException, match=r"Pass it to `Trainer\(callbacks=\[MeshStatsMonitor"):
+        on_workers.fit(Classifier())
