@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_monarch import _compat, preflight
 from lightning_monarch.controller.callbacks import check_controller_callbacks, check_worker_callbacks
+from lightning_monarch.controller.cells import blocks_the_cell
 from lightning_monarch.controller.checks import pack_for_workers
 from lightning_monarch.controller.mirrors import plan_loaders
 from lightning_monarch.controller.pool import MESHES
@@ -61,6 +62,7 @@ class MonarchLauncher(_compat.Launcher):
         """Lightning asks a launcher to kill its processes on interrupt; ``launch`` always stops the
         mesh itself, on every way out, so nothing is left to kill here."""
 
+    @blocks_the_cell
     def launch(self, function: Callable, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
         assert trainer is not None
         stage = _STAGES[function.__name__]

@@ -81,6 +81,31 @@ def test_unpicklable_module() -> None:
     _assert_raised_before_spawning(error)
 
 
+NOTEBOOK_CELL = """
+import threading
+from tests.models import Classifier
+
+cache_lock = threading.Lock()
+
+class NotebookClassifier(Classifier):
+    def training_step(self, batch, batch_idx):
+        with cache_lock:
+            return super().training_step(batch, batch_idx)
+"""
+
+
+def test_a_notebook_class_that_uses_an_unpicklable_global_says_what_to_move(monkeypatch: pytest.MonkeyPatch) -> None:
+    main = sys.modules["__main__"]
+    cell: dict = {}
+    exec(NOTEBOOK_CELL, vars(main), cell)  # as a notebook cell does: the class and the lock live in `__main__`
+    for name, value in cell.items():
+        monkeypatch.setattr(main, name, value, raising=False)
+    with pytest.raises(TypeError, match=r"`NotebookClassifier` is defined in `__main__`.*`cache_lock` \(a lock\) cannot be"
+                                        r" pickled.*Move `NotebookClassifier` and what it uses into a module") as error:
+        _trainer().fit(main.NotebookClassifier())
+    _assert_raised_before_spawning(error)
+
+
 def test_module_the_workers_cannot_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "hidden_models.py").write_text(
         "from tests.models import Classifier\n\nclass HiddenClassifier(Classifier):\n    pass\n"

@@ -67,6 +67,16 @@ def _raise_if_unpicklable(role: str, obj: Any) -> None:
     try:
         _ReferenceRecorder(io.BytesIO()).dump(obj)
     except Exception as error:
+        globals_used = _unpicklable_main_globals(type(obj))
+        if globals_used:
+            raise TypeError(
+                f"The {role} `{type(obj).__name__}` is defined in `__main__` (a notebook or the script itself), so it"
+                " travels to the worker processes by value, with every `__main__` global its methods use; under"
+                f" strategy='monarch' {', '.join(globals_used)} cannot be pickled ({type(error).__name__}: {error})."
+                f" Move `{type(obj).__name__}` and what it uses into a module next to the notebook (e.g. `models.py`)"
+                " and import it from there, or create those objects in `setup()` or `configure_model()`, which run"
+                " on the workers."
+            ) from error
         raise TypeError(
             f"The {role} `{type(obj).__name__}` cannot be pickled, and under strategy='monarch' it travels to"
             f" the worker processes pickled: {type(error).__name__}: {error}. Keep objects that cannot be"
@@ -75,11 +85,34 @@ def _raise_if_unpicklable(role: str, obj: Any) -> None:
         ) from error
 
 
+def _unpicklable_main_globals(cls: type) -> list[str]:
+    """The ``__main__`` globals that methods of ``cls`` (and of its ``__main__`` bases) use and that
+    cannot be pickled, as ``` `name` (a type) ``` strings: what cloudpickle would send with a class
+    defined in a notebook."""
+    main = vars(sys.modules["__main__"])
+    names = {
+        name
+        for klass in cls.__mro__ if klass.__module__ == "__main__"
+        for member in vars(klass).values()
+        for name in getattr(getattr(getattr(member, "__func__", member), "__code__", None), "co_names", ())
+        if name in main
+    }
+    return [f"`{name}` (a {type(main[name]).__name__})" for name in sorted(names) if not _picklable(main[name])]
+
+
+def _picklable(obj: Any) -> bool:
+    try:
+        cloudpickle.dumps(obj)
+    except Exception:
+        return False
+    return True
+
+
 def _check_importable(references: dict[str, str], script_dir: Optional[str]) -> None:
     worker_path = _worker_sys_path() | ({os.path.realpath(script_dir)} if script_dir else set())
     for module, qualname in references.items():
         root = _import_root(module)
-        if root is None or root in worker_path:
+        if root is None or root in worker_path or _worker_finds(module):
             continue
         raise ImportError(
             f"`{qualname}` from module `{module}` cannot be imported by the Monarch workers under"
@@ -113,6 +146,17 @@ def _worker_sys_path_for(cwd: str, pythonpath: str) -> frozenset[str]:
         check=True,
     ).stdout
     return frozenset(os.path.realpath(entry or cwd) for entry in json.loads(output))
+
+
+@functools.lru_cache(maxsize=None)
+def _worker_finds(module: str) -> bool:
+    """Whether a process started as the workers are can find ``module`` although its folder is not
+    on their ``sys.path``: an editable install (``pip install -e``) finds it through an import hook."""
+    return subprocess.run(
+        [sys.executable, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)",
+         module.split(".", 1)[0]],
+        cwd=os.getcwd(), capture_output=True,
+    ).returncode == 0
 
 
 def _worker_sys_path() -> frozenset[str]:

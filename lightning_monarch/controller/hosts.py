@@ -26,12 +26,14 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.actor import HostMesh, attach_to_workers
 from monarch.job import SlurmJob
 
+from lightning_monarch.controller.cells import blocks_the_cell
 from lightning_monarch.errors import UnreachableHostsError
 
 #: The name of the host mesh the workers run on, in a Monarch job's mesh specification.
 HOSTS_MESH = "hosts"
 
 
+@blocks_the_cell
 def host_mesh(hosts: Any, num_nodes: int, gpus_per_host: int, connect_timeout: float) -> HostMesh:
     """The ``HostMesh`` that ``hosts`` names, connected and checked against ``num_nodes``.
 

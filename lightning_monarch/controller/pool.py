@@ -16,6 +16,7 @@ from typing import Optional
 
 from monarch.actor import HostMesh
 
+from lightning_monarch.controller.cells import blocks_the_cell
 from lightning_monarch.controller.mesh import WorkerMesh
 from lightning_monarch.controller.output import WorkerOutput
 
@@ -99,6 +100,7 @@ class MeshPool:
 MESHES = MeshPool()
 
 
+@blocks_the_cell
 def stop_meshes() -> None:
     """Stop the warm worker mesh that ``strategy="monarch"`` keeps between stages, if any.
 

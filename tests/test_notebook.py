@@ -1,0 +1,78 @@
+"""``examples/notebook.ipynb`` runs headless in a real Jupyter kernel: one progress bar, worker
+errors shown in their cells, a kernel that survives a dead worker and an interrupt, a warm mesh
+reused by the next cell, and no worker process left once the kernel has shut down."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import nbformat
+import psutil
+import pytest
+from nbclient import NotebookClient
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.timeout(600)
+
+NOTEBOOK = ROOT / "examples" / "notebook.ipynb"
+#: The error each cell tagged ``raises-exception`` must show, in order.
+EXPECTED_ERRORS = ["WorkerError", "MeshFailureError", "SystemExit"]
+
+
+def outputs(notebook: nbformat.NotebookNode, kind: str) -> list[tuple[int, nbformat.NotebookNode]]:
+    return [(index, output) for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"
+            for output in cell.outputs if output.output_type == kind]
+
+
+def text(notebook: nbformat.NotebookNode, name: str) -> str:
+    return "".join(output.text for _, output in outputs(notebook, "stream") if output.name == name)
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory: pytest.TempPathFactory) -> nbformat.NotebookNode:
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    workdir = tmp_path_factory.mktemp("notebook")
+    NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(workdir)}}).execute()
+    return notebook
+
+
+def test_only_the_cells_that_show_a_worker_failure_have_errors(executed: nbformat.NotebookNode) -> None:
+    tagged = {index for index, cell in enumerate(executed.cells) if "raises-exception" in cell.metadata.get("tags", [])}
+    errors = outputs(executed, "error")
+    assert [index for index, _ in errors] == sorted(tagged), [(index, error.ename) for index, error in errors]
+    assert [error.ename for _, error in errors] == EXPECTED_ERRORS
+    worker_error = errors[0][1].evalue
+    assert "Worker rank 1 on host" in worker_error and "ValueError in `module.training_step`" in worker_error
+    assert "Remote traceback (rank 1)" in worker_error
+    assert re.match(r"Worker rank 1 \(pid \d+\) died", errors[1][1].evalue)
+
+
+def test_the_kernel_survives_and_reuses_the_warm_mesh(executed: nbformat.NotebookNode) -> None:
+    stdout = text(executed, "stdout")
+    assert "same worker processes: True" in stdout
+    assert "the kernel goes on: val_acc" in stdout
+    assert "new workers True" in stdout  # the interrupt stopped the workers; the next fit started new ones
+    assert float(re.search(r"second fit in ([\d.]+) s", stdout).group(1)) < 5
+
+
+def test_one_progress_bar_and_no_event_loop_warnings(executed: nbformat.NotebookNode) -> None:
+    first_fit = next(cell for cell in executed.cells if cell.cell_type == "code" and "first_workers =" in cell.source)
+    drawn = "".join(output.text for output in first_fit.outputs if output.output_type == "stream")
+    # a progress bar draws its first epoch at 0% once (the first of 24 batches per worker); a bar per
+    # worker would draw it again from each worker's process
+    assert len(re.findall(r"Epoch 0:   0%\|\s+\| 0/24 \[00:00<\?, \?it/s\]", drawn)) == 1, drawn[-3000:]
+    assert "active event loop" not in text(executed, "stderr")
+
+
+def test_no_worker_process_outlives_the_kernel(executed: nbformat.NotebookNode) -> None:
+    stdout = text(executed, "stdout")
+    pids = [int(pid) for group in re.findall(r"workers \[([\d, ]+)\]", stdout) for pid in group.split(", ")]
+    kernel = int(re.search(r"kernel process: (\d+)", stdout).group(1))
+    assert pids
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in [kernel, *pids]):
+        time.sleep(0.2)
+    assert not [pid for pid in [kernel, *pids] if psutil.pid_exists(pid)]
