@@ -35,7 +35,7 @@ import lightning_monarch
 from lightning_monarch import preflight
 from lightning_monarch.benchmark.compare import BenchmarkError, compare
 from lightning_monarch.benchmark.models import SIZES
-from lightning_monarch.protocol import VISIBILITY_VARS, versions
+from lightning_monarch.protocol import VISIBILITY_VARS, versions, worker_backend
 from lightning_monarch.strategy import MonarchStrategy
 
 PROG = "lightning-monarch"
@@ -80,7 +80,7 @@ def describe(devices: Devices, accelerator: str, num_nodes: int = 1,
     # `Trainer(...)` time; every host runs the same local ranks.
     strategy.num_nodes = num_nodes
     # The workers' own DDPStrategy picks Lightning's default backend for their device.
-    backend = key.process_group_backend or ("nccl" if key.accelerator == "cuda" else "gloo")
+    backend = worker_backend(key.accelerator, key.process_group_backend)
     return {
         "versions": {"python": platform.python_version(), **versions(), "torchmonarch": version("torchmonarch"),
                      "lightning_monarch": lightning_monarch.__version__},

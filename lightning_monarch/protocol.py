@@ -138,6 +138,12 @@ def versions() -> dict[str, Optional[str]]:
             "hip": torch.version.hip}
 
 
+def worker_backend(accelerator: str, chosen: Optional[str]) -> str:
+    """The workers' ``torch.distributed`` backend: the one chosen, else what Lightning's DDP picks
+    (``nccl`` on GPUs, which is RCCL on a ROCm build of torch; ``gloo`` on CPUs)."""
+    return chosen or ("nccl" if accelerator == "cuda" else "gloo")
+
+
 #: The gate where a training stage is snapshotted for recovery: the start of a training epoch,
 #: the boundary from which Lightning resumes a checkpoint exactly (it cannot resume mid-epoch at
 #: an exact batch). The snapshot is read while the workers are parked right after this gate.

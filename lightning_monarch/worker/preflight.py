@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_monarch.protocol import VISIBILITY_VARS, PreflightSpec, WorkerReport, versions
+from lightning_monarch.protocol import VISIBILITY_VARS, PreflightSpec, WorkerReport, versions, worker_backend
 
 #: AMD's RCCL usage tips: peer-to-peer between PCIe-connected GPUs needs this set to 1.
 RCCL_TIPS = "https://rocm.docs.amd.com/projects/rccl/en/latest/how-to/rccl-usage-tips.html"
@@ -124,7 +124,7 @@ def _time_all_reduce(spec: PreflightSpec) -> float:
     group (with the backend Lightning's DDP would pick) if no stage has yet; the stages then use it."""
     cuda = spec.accelerator == "cuda"
     if not dist.is_initialized():
-        dist.init_process_group(spec.process_group_backend or ("nccl" if cuda else "gloo"))
+        dist.init_process_group(worker_backend(spec.accelerator, spec.process_group_backend))
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     tensor = torch.ones(int(spec.all_reduce_mib * 2**20 / 4), device=device)
     dist.all_reduce(tensor[:1])
