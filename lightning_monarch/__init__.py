@@ -1,8 +1,9 @@
 """lightning_monarch: PyTorch Lightning's single-controller strategy on PyTorch Monarch.
 
-``import lightning_monarch`` registers ``Trainer(strategy="monarch")``. The user's process becomes
-the controller: it runs Lightning's loops, callbacks, loggers and checkpoints once, while one
-Monarch worker per device runs the LightningModule with DDP.
+``import lightning_monarch`` registers ``Trainer(strategy="monarch")`` and
+``Trainer(strategy="monarch_fsdp")``. The user's process becomes the controller: it runs
+Lightning's loops, callbacks, loggers and checkpoints once, while one Monarch worker per device
+runs the LightningModule with DDP (or, under ``"monarch_fsdp"``, sharded with FSDP2).
 """
 
 from typing import Any
@@ -34,11 +35,18 @@ StrategyRegistry.register(
     description="Single-controller training on a PyTorch Monarch worker mesh",
     override=True,
 )
+StrategyRegistry.register(
+    "monarch_fsdp",
+    MonarchStrategy,
+    description="Single-controller training on a PyTorch Monarch worker mesh, the module sharded with FSDP2",
+    override=True,
+    parallelism="fsdp",
+)
 
 
 def _route_gpu_to_workers(strategy: Any, accelerator: Any) -> Any:
     """Under strategy="monarch", ``accelerator="gpu"``/``"cuda"`` names the workers' GPUs."""
-    is_monarch = strategy == MonarchStrategy.strategy_name or isinstance(strategy, MonarchStrategy)
+    is_monarch = strategy in (MonarchStrategy.strategy_name, "monarch_fsdp") or isinstance(strategy, MonarchStrategy)
     if is_monarch and isinstance(accelerator, str) and accelerator in ("gpu", "cuda"):
         return WorkerGPUAccelerator()
     return accelerator

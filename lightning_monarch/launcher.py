@@ -87,7 +87,8 @@ class MonarchLauncher(_compat.Launcher):
             if not mesh.checked:
                 preflight.check(mesh, key.accelerator, key.process_group_backend)
             mesh.start_stage(spec, self._strategy.max_restarts, self._strategy.snapshot_every_n_epochs)
-            session = StageSession(trainer, mesh, module, datamodule, self._strategy.worker_callbacks)
+            session = StageSession(trainer, mesh, module, datamodule, self._strategy.worker_callbacks,
+                                   sharded=spec.trainer.sharding is not None)
             self._strategy.attach(session)
             with session.installed():
                 for name, value in loaders.items():
@@ -122,6 +123,7 @@ class MonarchLauncher(_compat.Launcher):
                 f"`Trainer(profiler={type(trainer.profiler).__name__}(...))` under strategy='monarch' profiles the"
                 " controller's loop: each step's time there includes waiting for the workers, not their compute."
             )
+        sharding = strategy.sharding_for_stage(stage, trainer, module, arguments.get("ckpt_path"))
         script_dir = _script_dir()
         payload = pack_for_workers(
             {
@@ -152,6 +154,7 @@ class MonarchLauncher(_compat.Launcher):
                 process_group_backend=strategy.process_group_backend,
                 flags={**_compat.trainer_flags(trainer), "sync_batchnorm": strategy.sync_batchnorm},
                 ddp_kwargs=strategy.ddp_kwargs,
+                sharding=sharding,
             ),
             loggers=[
                 LoggerIdentity(name=logger.name, version=logger.version, save_dir=logger.save_dir, log_dir=logger.log_dir)

@@ -5,8 +5,9 @@ Both sides import this module; nothing here talks to a mesh or runs a hook.
 How the two sides stay in step (the lockstep invariants, cited elsewhere as L1-L5):
 
 L1. The controller runs Lightning's real loop for the stage; every worker runs Lightning's real
-    ``Trainer`` for the same stage with ``DDPStrategy`` on a loop thread. Both sides see the same
-    flags and the same dataloader lengths, so both loops reach the same hooks in the same order.
+    ``Trainer`` for the same stage with ``DDPStrategy`` (``ModelParallelStrategy`` when sharded) on
+    a loop thread. Both sides see the same flags and the same dataloader lengths, so both loops
+    reach the same hooks in the same order.
 L2. A *gate* is a top-level call of a hook in :data:`MODULE_HOOKS`, :data:`DATAMODULE_HOOKS` or
     :data:`CALLBACK_HOOKS`. Hooks called while another gated hook runs are *nested* and never gate.
 L3. At each gate the controller sends one :class:`Advance`. A worker runs up to that gate, checks
@@ -164,6 +165,25 @@ def gate_id(owner: str, hook: str) -> str:
 
 
 @dataclass(frozen=True)
+class ShardingSpec:
+    """How the workers shard the module under ``MonarchStrategy(parallelism="fsdp")``: with
+    FSDP2's ``fully_shard``, each instance of the ``policy`` module classes, then the root module,
+    after the module's own ``configure_model`` (which may shard it itself; see ``worker.sharding``)."""
+
+    policy: tuple[type, ...] = ()
+
+    def no_match_warning(self) -> str:
+        """The warning for a policy that names no class of the module's submodules."""
+        names = ", ".join(cls.__name__ for cls in self.policy)
+        return (
+            f"`MonarchStrategy(parallelism='fsdp', fsdp_policy={{{names}}})`: the module has no submodule of these"
+            " classes, so FSDP2 shards it as one unit (the root module) and every step gathers all of its"
+            " parameters at once. Name the classes of its repeated blocks (e.g. its transformer layers) in"
+            " `fsdp_policy`."
+        )
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The controller Trainer's flags that a worker's Trainer must share so both loops agree (L1)."""
 
@@ -174,6 +194,8 @@ class TrainerConfig:
     process_group_backend: Optional[str]
     flags: dict[str, Any]
     ddp_kwargs: dict[str, Any]
+    #: ``None``: a DDP replica per worker; else the module is sharded with FSDP2.
+    sharding: Optional[ShardingSpec] = None
 
 
 @dataclass(frozen=True)

@@ -2,22 +2,27 @@
 
 Runs on the controller. To Lightning there is one process, as with lightning-Graphcore's
 ``IPUStrategy``: ``is_global_zero`` is True and ``barrier``/``broadcast``/``reduce`` act locally.
-The real collectives run among the workers, inside each worker's own ``DDPStrategy``.
+The real collectives run among the workers, inside each worker's own ``DDPStrategy`` (or
+``ModelParallelStrategy``, with ``parallelism="fsdp"``).
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch import Callback
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -29,17 +34,26 @@ from lightning_monarch.controller.output import WorkerOutput
 from lightning_monarch.controller.pool import MeshKey
 from lightning_monarch.controller.session import StageSession
 from lightning_monarch.launcher import MonarchLauncher
-from lightning_monarch.protocol import CheckpointState, RankStats
+from lightning_monarch.protocol import CheckpointState, RankStats, ShardingSpec
 
 #: Keyword arguments of ``DistributedDataParallel`` that the workers' ``DDPStrategy`` passes on.
 _DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+#: How the workers hold the module: a replica each, or sharded with FSDP2.
+_PARALLELISMS = ("ddp", "fsdp")
+#: What a sharded run cannot do yet, for the errors that say so.
+_NO_SHARDED_CHECKPOINTS = (
+    "sharded checkpoints under parallelism='fsdp' are not supported yet: the controller would have to gather the"
+    " full model to write one, and under FSDP it never holds the full model"
+)
 
 
 class MonarchStrategy(ParallelStrategy):
     """Train on a mesh of Monarch worker actors from one controller process: this one.
 
     The controller runs Lightning's loops, callbacks, loggers and checkpoint files once; one
-    worker per device runs the LightningModule with Lightning's ``DDPStrategy``.
+    worker per device runs the LightningModule with Lightning's ``DDPStrategy``, or, with
+    ``parallelism="fsdp"``, sharded across the workers with FSDP2 (Lightning's
+    ``ModelParallelStrategy``; see the FSDP page of the docs).
 
     Args:
         hosts: where the workers run: nothing for this host, a Monarch job
@@ -71,6 +85,17 @@ class MonarchStrategy(ParallelStrategy):
             ``fit``/``validate``/``test``/``predict`` with the same devices and backend, in this
             Trainer or another (``lightning_monarch.stop_meshes()`` or interpreter exit stops
             them). ``False`` starts and stops a mesh for every stage.
+        parallelism: ``"ddp"`` (the default): every worker holds a replica of the module, and
+            after ``fit`` the controller's module holds the trained weights. ``"fsdp"``: the
+            workers shard the module with FSDP2 (``torch.distributed.fsdp.fully_shard``), in the
+            module's ``configure_model`` or by ``fsdp_policy``; the controller never holds the
+            full weights (after ``fit`` its module is moved to the meta device) and
+            ``gather_full_state_dict()`` fetches them on demand. The registered name
+            ``strategy="monarch_fsdp"`` is ``MonarchStrategy(parallelism="fsdp")``.
+        fsdp_policy: with ``parallelism="fsdp"``, module classes (e.g.
+            ``{nn.TransformerEncoderLayer}``) whose every instance is sharded on its own, after
+            the module's ``configure_model``; the root module is sharded last. Like the
+            ``auto_wrap_policy`` of Lightning's ``FSDPStrategy``.
         **ddp_kwargs: keyword arguments for ``DistributedDataParallel`` on the workers, as for
             ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``, ...).
     """
@@ -93,6 +118,8 @@ class MonarchStrategy(ParallelStrategy):
         snapshot_every_n_epochs: int = 1,
         step_timeout: Optional[float] = None,
         keep_warm: bool = True,
+        parallelism: str = "ddp",
+        fsdp_policy: Optional[Iterable[type[nn.Module]]] = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -133,6 +160,8 @@ class MonarchStrategy(ParallelStrategy):
                 f"`MonarchStrategy(snapshot_every_n_epochs={snapshot_every_n_epochs!r})`: give a whole number >= 1."
             )
         self.max_restarts = max_restarts
+        self.parallelism = parallelism
+        self.fsdp_policy = _check_sharding(parallelism, fsdp_policy, max_restarts, ddp_kwargs)
         self.snapshot_every_n_epochs = snapshot_every_n_epochs
         self.step_timeout = step_timeout
         #: How many times this strategy's stages replaced their worker processes after a failure.
@@ -143,6 +172,8 @@ class MonarchStrategy(ParallelStrategy):
         self._layer_sync: Optional[Any] = None
         self._session: Optional[StageSession] = None
         self._last_state: Optional[CheckpointState] = None
+        #: The last stage under ``parallelism="fsdp"``, whose workers keep the module's shards.
+        self._last_sharded: Optional[StageSession] = None
         self._undo_on_exception: Optional[Callable[[], None]] = None
 
     # ----- configuration ---------------------------------------------------------------------
@@ -292,7 +323,71 @@ class MonarchStrategy(ParallelStrategy):
         """Runs on the controller: the session of the stage in progress, or ``None`` after it."""
         if session is None and self._session is not None:
             self._last_state = self._session.final_state or self._last_state
+            if self.parallelism == "fsdp":
+                self._last_sharded = self._session
         self._session = session
+
+    def sharding_for_stage(self, stage: str, trainer: Trainer, module: LightningModule,
+                           ckpt_path: Any) -> Optional[ShardingSpec]:
+        """Runs on the controller, before any worker starts: how the workers shard ``module`` for
+        ``trainer.<stage>(...)`` (``None`` under ``parallelism="ddp"``), once the stage is known to
+        be able to run sharded."""
+        if self.parallelism != "fsdp":
+            return None
+        if _on_meta_device(module):
+            raise MisconfigurationException(
+                f"`{type(module).__name__}` has parameters on the meta device: after `fit` under"
+                " `MonarchStrategy(parallelism='fsdp')` its trained weights stay sharded on the workers and the"
+                " controller's module is emptied. Running another stage on it is not supported yet. Load the"
+                " weights first: `model.to_empty(device='cpu');"
+                " model.load_state_dict(trainer.strategy.gather_full_state_dict())`."
+            )
+        if trainer.checkpoint_callbacks:
+            raise MisconfigurationException(
+                f"`Trainer(strategy=MonarchStrategy(parallelism='fsdp'))` with"
+                f" `{type(trainer.checkpoint_callbacks[0]).__name__}`: {_NO_SHARDED_CHECKPOINTS}. Pass"
+                " `Trainer(enable_checkpointing=False)` and no checkpoint callback."
+            )
+        if ckpt_path is not None:
+            raise MisconfigurationException(
+                f"`trainer.{stage}(ckpt_path={ckpt_path!r})` under"
+                f" `MonarchStrategy(parallelism='fsdp')`: {_NO_SHARDED_CHECKPOINTS}, nor is resuming from one."
+                " Remove `ckpt_path`."
+            )
+        builds_submodules = is_overridden("configure_model", module, LightningModule)
+        if not self.fsdp_policy and not builds_submodules:
+            raise MisconfigurationException(
+                f"`MonarchStrategy(parallelism='fsdp')`: `{type(module).__name__}` would not be sharded: give the"
+                " classes of its repeated blocks, e.g. `MonarchStrategy(parallelism='fsdp',"
+                " fsdp_policy={nn.TransformerEncoderLayer})`, or call `fully_shard` in its `configure_model`."
+            )
+        spec = ShardingSpec(policy=self.fsdp_policy)
+        if self.fsdp_policy and not builds_submodules and not any(
+            isinstance(submodule, self.fsdp_policy) for submodule in module.modules() if submodule is not module
+        ):
+            rank_zero_warn(spec.no_match_warning())
+        return spec
+
+    def gather_full_state_dict(self) -> dict[str, Any]:
+        """Runs on the controller: the module's full (unsharded) state dict, on this process's CPU.
+
+        Under ``parallelism="fsdp"`` the workers gather their shards (every rank takes part;
+        rank 0's result comes here): during a stage, e.g. from a callback's ``on_fit_end``, or
+        after it, while the warm mesh keeps the shards (until its next stage starts). This is
+        the one way the full weights reach the controller; they must fit in its memory. Under
+        ``parallelism="ddp"``, rank 0's weights (which the controller's module holds after
+        ``fit``).
+        """
+        if self.parallelism != "fsdp":
+            return self.lightning_module_state_dict()
+        session = self._session or self._last_sharded
+        if session is None:
+            raise RuntimeError(
+                "`MonarchStrategy.gather_full_state_dict()` gathers the shards of a stage under"
+                " `parallelism='fsdp'`, and no stage has run with this strategy yet. Call it during or after"
+                " `trainer.fit(...)`."
+            )
+        return session.full_state_dict()
 
     def keep_until_exception_handled(self, undo: Optional[Callable[[], None]]) -> None:
         """Hold ``undo`` until Lightning has run its exception hooks (see ``on_exception``)."""
@@ -305,6 +400,11 @@ class MonarchStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.parallelism == "fsdp":
+            raise NotImplementedError(
+                f"{_NO_SHARDED_CHECKPOINTS}. For the full weights, call"
+                " `trainer.strategy.gather_full_state_dict()`."
+            )
         if self._session is not None:
             return self._session.checkpoint_state().model
         return super().lightning_module_state_dict()
@@ -319,6 +419,8 @@ class MonarchStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write ``checkpoint`` with the worker callbacks' state added, as DDP's rank 0 would."""
+        if self.parallelism == "fsdp":
+            raise NotImplementedError(f"{_NO_SHARDED_CHECKPOINTS}. Do not call `trainer.save_checkpoint`.")
         state = self._worker_state()
         if state is not None and state.callbacks:
             checkpoint.setdefault("callbacks", {}).update(state.callbacks)
@@ -329,7 +431,56 @@ class MonarchStrategy(ParallelStrategy):
         """Each worker loads optimizer state from the same checkpoint file itself."""
 
     @override
+    def teardown(self) -> None:
+        """Lightning's teardown moves the module to the CPU, where the controller's module already
+        is; a module emptied after a sharded ``fit`` (on the meta device) has no data to move, so
+        Lightning's teardown does not get it."""
+        module = self.lightning_module
+        if module is not None and _on_meta_device(module):
+            self._lightning_module = None
+        super().teardown()
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         undo, self._undo_on_exception = self._undo_on_exception, None
         if undo is not None:
             undo()
+
+
+def _on_meta_device(module: nn.Module) -> bool:
+    return any(parameter.is_meta for parameter in module.parameters())
+
+
+def _check_sharding(parallelism: str, fsdp_policy: Optional[Iterable[type[nn.Module]]], max_restarts: int,
+                    ddp_kwargs: dict[str, Any]) -> tuple[type[nn.Module], ...]:
+    """Validate ``MonarchStrategy``'s sharding arguments at construction; return the policy's
+    classes in a fixed order."""
+    if parallelism not in _PARALLELISMS:
+        raise ValueError(
+            f"`MonarchStrategy(parallelism={parallelism!r})`: choose 'ddp' (a replica of the module on every"
+            " worker) or 'fsdp' (the module sharded across the workers with FSDP2)."
+        )
+    policy = tuple(sorted(set(fsdp_policy or ()), key=repr))
+    bad = [cls for cls in policy if not (isinstance(cls, type) and issubclass(cls, nn.Module))]
+    if bad:
+        raise TypeError(
+            f"`MonarchStrategy(fsdp_policy={set(policy)!r})`: {bad} are not `nn.Module` classes. Give module"
+            " classes, e.g. `fsdp_policy={nn.TransformerEncoderLayer}`."
+        )
+    if parallelism == "ddp" and policy:
+        raise ValueError(
+            "`MonarchStrategy(fsdp_policy=...)` shards modules, which only `parallelism='fsdp'` does. Pass"
+            " `MonarchStrategy(parallelism='fsdp', fsdp_policy=...)`."
+        )
+    if parallelism == "fsdp" and ddp_kwargs:
+        raise ValueError(
+            f"`MonarchStrategy(parallelism='fsdp', {', '.join(f'{name}=...' for name in sorted(ddp_kwargs))})`:"
+            " these are `DistributedDataParallel` arguments, and sharded workers do not use DDP. Remove them."
+        )
+    if parallelism == "fsdp" and max_restarts:
+        raise ValueError(
+            f"`MonarchStrategy(parallelism='fsdp', max_restarts={max_restarts})`: recovery under sharding is not"
+            " supported yet (no worker holds a replica to restore from, and sharded snapshots are not written"
+            " yet). Pass `max_restarts=0`."
+        )
+    return policy

@@ -23,7 +23,9 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
-from torch.utils.data import DataLoader
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
 
 from monarch.job import ProcessJob
 
@@ -52,6 +54,8 @@ class Case:
     #: Hosts of 2 workers each: under ``monarch`` a ``ProcessJob`` with that many hosts, under
     #: ``ddp`` one host with all the processes (the same ranks and the same arithmetic).
     hosts: int = 1
+    #: ``MonarchStrategy`` options that ``ddp`` has no counterpart for (``parallelism="fsdp"``).
+    monarch_options: dict[str, Any] = field(default_factory=dict)
 
 
 CASES: dict[str, Callable[[Path], Case]] = {
@@ -120,6 +124,74 @@ HOST_CASES: dict[str, Callable[[Path], Case]] = {
 }
 
 
+class TokenTransformer(L.LightningModule):
+    """A 4-layer transformer encoder over generated token sequences (the next token is a fixed
+    function of the current one), for sharded runs. ``losses`` records this rank's training loss
+    per step."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, layers: int = 4) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.embed = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+        self.losses: list[float] = []
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        tokens, targets = batch
+        logits = self.head(self.encoder(self.embed(tokens)))
+        return nn.functional.cross_entropy(logits.reshape(-1, self.vocab), targets.reshape(-1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def _loader(self, size: int, seed: int, shuffle: bool) -> DataLoader:
+        tokens = torch.randint(0, self.vocab, (size, 8), generator=torch.Generator().manual_seed(seed))
+        return DataLoader(TensorDataset(tokens, (tokens * 3 + 1) % self.vocab), batch_size=4, shuffle=shuffle)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(48, 0, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(16, 1, shuffle=False)
+
+
+class SelfShardingTransformer(TokenTransformer):
+    """``TokenTransformer`` that shards itself in ``configure_model``, as under Lightning's
+    ``ModelParallelStrategy`` (nothing to shard under ``ddp``, which has no device mesh)."""
+
+    def configure_model(self) -> None:
+        if self.device_mesh is None:
+            return
+        for layer in self.encoder.layers:
+            fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self, mesh=self.device_mesh["data_parallel"])
+
+
+#: Cases whose workers shard the module (``parallelism="fsdp"``): DDP and FSDP2 reduce gradients
+#: in another order, so ``tests/test_fsdp.py`` compares them to ``ddp`` to float tolerance.
+SHARDED_CASES: dict[str, Callable[[Path], Case]] = {
+    "fsdp_policy": lambda out: Case(
+        TokenTransformer(), {"enable_checkpointing": False, "limit_val_batches": 2}, default_callbacks=False,
+        monarch_options={"parallelism": "fsdp", "fsdp_policy": {nn.TransformerEncoderLayer}},
+    ),
+    "fsdp_configure_model": lambda out: Case(
+        SelfShardingTransformer(), {"enable_checkpointing": False, "max_epochs": 1}, default_callbacks=False,
+        monarch_options={"parallelism": "fsdp"},
+    ),
+}
+
+
 def _tracing(path: Path) -> models.TracingClassifier:
     model = models.TracingClassifier()
     model.trace_path = str(path)
@@ -129,6 +201,8 @@ def _tracing(path: Path) -> models.TracingClassifier:
 def _strategy(name: str, case: Case, hosts: Any) -> Any:
     """The strategy, with the case's options; under ``ddp`` worker callbacks are plain callbacks."""
     options = dict(case.strategy_options)
+    if name == "monarch":
+        options.update(case.monarch_options)
     if name == "monarch" and case.worker_callbacks:
         options["worker_callbacks"] = case.worker_callbacks
     if name == "monarch" and hosts is not None:
@@ -167,7 +241,7 @@ def run_case(name: str, strategy: str, out_dir: Path) -> Optional[dict[str, Any]
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(SEED)
-    case = {**CASES, **HOST_CASES}[name](out_dir)
+    case = {**CASES, **HOST_CASES, **SHARDED_CASES}[name](out_dir)
     if strategy == "monarch" and case.hosts > 1:
         job = ProcessJob({"hosts": case.hosts})
         try:
@@ -185,7 +259,8 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
     for stage in case.stages:
         if stage == "fit":
             trainer.fit(model, datamodule=datamodule, **case.loaders)
-            trainer.save_checkpoint(str(out_dir / "final.ckpt"))
+            if case.trainer.get("enable_checkpointing", True):
+                trainer.save_checkpoint(str(out_dir / "final.ckpt"))
         elif stage == "fit_more":
             trainer.fit_loop.max_epochs += 1
             trainer.fit(model, datamodule=datamodule)
@@ -201,8 +276,10 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
     if not trainer.is_global_zero:
         return None
     logs = out_dir / "logs" / "version_0"
+    if hasattr(model, "losses"):
+        results["losses"] = model.losses
     results.update(
-        weights={key: value.detach().cpu() for key, value in model.state_dict().items()},
+        weights={key: value.detach().cpu() for key, value in _final_weights(trainer, model).items()},
         callback_metrics=_floats(trainer.callback_metrics),
         logged_metrics=_floats(trainer.logged_metrics),
         progress_bar_metrics=dict(trainer.progress_bar_metrics),
@@ -214,6 +291,14 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
         hparams=(logs / "hparams.yaml").read_text() if (logs / "hparams.yaml").exists() else None,
     )
     return results
+
+
+def _final_weights(trainer: L.Trainer, model: L.LightningModule) -> dict[str, Any]:
+    """The trained weights: the module's, or under ``parallelism="fsdp"`` (where the controller's
+    module holds none) gathered from the workers' shards."""
+    if isinstance(trainer.strategy, MonarchStrategy) and trainer.strategy.parallelism == "fsdp":
+        return trainer.strategy.gather_full_state_dict()
+    return model.state_dict()
 
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:

@@ -235,6 +235,19 @@ class WorkerMesh:
         """Rank 0's model, optimizer and LR-scheduler state at the point the loop has reached."""
         return self._call_rank0("checkpoint_state")
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """The sharded module's full state dict: every rank gathers, rank 0's comes back. A pure
+        read, never replayed on new workers."""
+        if self._procs is None:
+            raise RuntimeError(
+                "The worker mesh of that stage was stopped, and the module's shards with it (by"
+                " `MonarchStrategy(keep_warm=False)`, `lightning_monarch.stop_meshes()`, a failure, or a stage with"
+                " other devices). Gather them while the stage runs, e.g. in a callback's `on_fit_end`:"
+                " `trainer.strategy.gather_full_state_dict()`."
+            )
+        self.flush()
+        return next(state for state in self._send(_Message("full_state_dict", replay=False)) if state is not None)
+
     def module_attributes(self) -> dict[str, Any]:
         """Rank 0's module's public Python attributes."""
         return self._call_rank0("module_attributes")

@@ -56,8 +56,11 @@ class StageSession:
     """Runs on the controller: drives the workers through one stage in step with the local loop."""
 
     def __init__(self, trainer: Trainer, mesh: WorkerMesh, module: LightningModule,
-                 datamodule: Optional[LightningDataModule], worker_callbacks: list[Callback]) -> None:
+                 datamodule: Optional[LightningDataModule], worker_callbacks: list[Callback],
+                 sharded: bool = False) -> None:
         self._trainer = trainer
+        #: Whether the workers shard the module (``parallelism="fsdp"``): its weights never come here.
+        self._sharded = sharded
         self._worker_callbacks = worker_callbacks
         self._mesh = mesh
         self._objects = {"module": module, "datamodule": datamodule}
@@ -291,15 +294,23 @@ class StageSession:
         checkpoint.clear()
         checkpoint.update(edited)
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """The sharded module's full state dict, gathered by the workers: where both loops have
+        reached during the stage, the final one after it (while the mesh keeps the shards)."""
+        return self._mesh.full_state_dict()
+
     def finish(self, trained: bool) -> None:
         """Let the workers finish the stage; take their final metrics and rank 0's module attributes,
-        and after training their final state, which the controller's module then holds."""
+        and after training their final state, which the controller's module then holds. A sharded
+        module's weights stay on the workers: the controller's module goes to the meta device."""
         self._advance(Finish())
         for view in METRIC_VIEWS:
             getattr(self._trainer, view)
         module = self._objects["module"]
         vars(module).update(self._mesh.module_attributes())
-        if trained:
+        if trained and self._sharded:
+            module.to("meta")
+        elif trained:
             self.final_state = self._mesh.checkpoint_state()
             if set(self.final_state.model) != set(module.state_dict()):
                 # ``configure_model`` changed the module on the workers (compiled, wrapped or grew

@@ -30,6 +30,7 @@ from lightning_monarch.protocol import (
 )
 from lightning_monarch.worker.loop import StageLoop
 from lightning_monarch.worker.preflight import inspect_worker
+from lightning_monarch.worker.sharding import full_state_dict, is_sharded
 from lightning_monarch.worker.stage import build_stage
 from lightning_monarch.worker.stats import RankStatsReader
 
@@ -39,6 +40,8 @@ class MonarchWorker(Actor):
 
     def __init__(self) -> None:
         self._stage: Optional[StageLoop] = None
+        #: The last stage's module if it was sharded: its shards exist nowhere else.
+        self._shards: Optional[torch.nn.Module] = None
         self._stats = RankStatsReader()
 
     @property
@@ -60,9 +63,13 @@ class MonarchWorker(Actor):
 
     @endpoint
     def end_stage(self) -> None:
-        """Drop the finished stage, so that a warm worker holds no model, optimizer or data."""
+        """Drop the finished stage, so that a warm worker holds no model, optimizer or data; but
+        a sharded module, whose shards exist nowhere else, until the next stage starts (for
+        ``full_state_dict``)."""
         if self._stage is not None:
             self._stage.join(timeout=5.0)
+            module = self._stage.reader.module
+            self._shards = module if is_sharded(module) else None
         self._stage = None
         gc.collect()
         if torch.cuda.is_initialized():
@@ -73,6 +80,7 @@ class MonarchWorker(Actor):
         """Build this rank's Trainer for a new stage; the loop starts with the first message."""
         if self._stage is not None:
             self._stage.join(timeout=5.0)
+        self._shards = None
         try:
             self._stage = build_stage(spec, self._rank)
         except BaseException as error:
@@ -101,6 +109,18 @@ class MonarchWorker(Actor):
     def checkpoint_state(self) -> Union[CheckpointState, WorkerFailure]:
         """This rank's model, optimizer and LR-scheduler state where the loop is parked."""
         return self._out_of_band(lambda reader: reader.checkpoint_state(), "checkpoint state")
+
+    @endpoint
+    def full_state_dict(self) -> Union[Optional[dict[str, Any]], WorkerFailure]:
+        """This rank's part in gathering the sharded module's full state dict (rank 0 returns it):
+        where the loop is parked, or after a sharded stage from the shards this worker kept."""
+        if self._stage is None and self._shards is not None:
+            shards = self._shards
+            try:
+                return full_state_dict(shards)
+            except BaseException as error:
+                return self._failure(error, "full state dict")
+        return self._out_of_band(lambda reader: full_state_dict(reader.module), "full state dict")
 
     @endpoint
     def module_attributes(self) -> Union[dict[str, Any], WorkerFailure]:

@@ -1,7 +1,8 @@
 """Builds one Trainer stage on a worker from the controller's :class:`StageSpec`.
 
 Runs in each worker process. The worker's Trainer is Lightning's own, with ``DDPStrategy`` on the
-torch elastic environment that Monarch set up for this rank; it gets the controller's loop flags
+torch elastic environment that Monarch set up for this rank (``ModelParallelStrategy`` when the
+module is sharded, see ``worker.sharding``); it gets the controller's loop flags
 (L1), a gate callback first in its callback list, and gates on the module's hooks (L2). It has
 no progress bar, checkpoint callback or model summary: those run once, on the controller.
 """
@@ -28,6 +29,7 @@ from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS, StageSpec
 from lightning_monarch.worker.logger import recording_loggers
 from lightning_monarch.worker.loop import StageLoop
+from lightning_monarch.worker.sharding import shard_in_configure_model, sharded_strategy
 from lightning_monarch.worker.state import StateReader
 
 #: Extra keyword arguments each stage method takes on a worker.
@@ -73,14 +75,15 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
 
     config = spec.trainer
     loggers, logger_calls = recording_loggers(spec.loggers)
+    # each GPU worker sees only its own device (``controller.devices``): cuda:0 on every rank
+    parallel_devices = [torch.device("cuda", 0)] * config.devices if config.accelerator == "cuda" else None
     trainer = Trainer(
         accelerator=config.accelerator,
         devices=config.devices,
         num_nodes=config.num_nodes,
-        strategy=DDPStrategy(
+        strategy=sharded_strategy(config, parallel_devices) if config.sharding is not None else DDPStrategy(
             cluster_environment=TorchElasticEnvironment(),
-            # each GPU worker sees only its own device (``controller.devices``): cuda:0 on every rank
-            parallel_devices=[torch.device("cuda", 0)] * config.devices if config.accelerator == "cuda" else None,
+            parallel_devices=parallel_devices,
             process_group_backend=config.process_group_backend,
             **config.ddp_kwargs,
         ),
@@ -95,6 +98,8 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
     )
     _compat.carry_fit_progress(trainer, spec.fit_loop_state)
     install_hook_gates(module, "module", MODULE_HOOKS, around)
+    if config.sharding is not None:
+        shard_in_configure_model(module, config.sharding)
     if datamodule is not None:
         install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, around)
     ckpt_path, snapshot_file = spec.ckpt_path, None
