@@ -9,11 +9,14 @@ thread. The wrappers keep ``__wrapped__``, so Lightning's ``is_overridden`` sees
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Iterable
 
 from lightning.pytorch import Callback
 
 from lightning_monarch.protocol import CALLBACK_HOOKS, gate_id
+
+_ABSENT = object()
 
 #: ``around(gate, fn, args, kwargs)``: runs ``fn(*args, **kwargs)`` at gate ``gate``.
 Around = Callable[[str, Callable[..., Any], tuple, dict], Any]
@@ -25,17 +28,20 @@ def install_hook_gates(obj: Any, owner: str, hooks: Iterable[str], around: Aroun
     The wrappers live in the instance's ``__dict__`` only, so the class and other instances are
     untouched and the undo restores the object exactly.
     """
-    installed: list[str] = []
+    installed: list[tuple[str, Any]] = []
     for hook in hooks:
         bound = getattr(obj, hook, None)
-        if bound is None or hook in vars(obj):
+        if bound is None or getattr(bound, "_lightning_monarch_gate", False):
             continue
+        installed.append((hook, vars(obj).get(hook, _ABSENT)))
         vars(obj)[hook] = _gated(gate_id(owner, hook), bound, around)
-        installed.append(hook)
 
     def uninstall() -> None:
-        for hook in installed:
-            vars(obj).pop(hook, None)
+        for hook, previous in installed:
+            if previous is _ABSENT:
+                vars(obj).pop(hook, None)
+            else:
+                vars(obj)[hook] = previous
 
     return uninstall
 
@@ -45,6 +51,10 @@ def _gated(gate: str, bound: Callable[..., Any], around: Around) -> Callable[...
     def gated(*args: Any, **kwargs: Any) -> Any:
         return around(gate, bound, args, kwargs)
 
+    # Lightning's ``is_overridden`` follows one ``__wrapped__`` and reads ``__code__``: give it the
+    # innermost function (LightningCLI sets ``configure_optimizers`` to a method of a ``partial``).
+    gated.__wrapped__ = inspect.unwrap(bound)  # type: ignore[attr-defined]
+    gated._lightning_monarch_gate = True  # type: ignore[attr-defined]
     return gated
 
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import types
+from pathlib import Path
+from typing import Any
+
 import lightning as L
 import pytest
 import torch
 
-from tests.models import Classifier
+from tests.models import ClassificationDataModule, Classifier, DataModuleClassifier
 from tests.parity_cases import SEED
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,3 +47,56 @@ def test_tensorboard_logger_gets_the_workers_scalars(tmp_path) -> None:
     assert steps == list(range(trainer.global_step))
     assert len(events.Scalars("val_loss")) == 2
     assert events.Scalars("val_loss")[-1].value == pytest.approx(float(trainer.callback_metrics["val_loss"]))
+
+
+class PreparingDataModule(ClassificationDataModule):
+    """Writes a marker file per call, as a download does, in ``prepare_data``."""
+
+    def __init__(self, marker_dir: str) -> None:
+        super().__init__()
+        self.marker_dir = marker_dir
+
+    def prepare_data(self) -> None:
+        with open(os.path.join(self.marker_dir, f"datamodule-{os.getpid()}"), "w"):
+            pass
+
+
+class PreparingClassifier(DataModuleClassifier):
+    def __init__(self, marker_dir: str) -> None:
+        super().__init__()
+        self.marker_dir = marker_dir
+
+    def prepare_data(self) -> None:
+        with open(os.path.join(self.marker_dir, f"module-{os.getpid()}"), "w"):
+            pass
+
+
+def _fit(model: L.LightningModule, **kwargs: Any) -> L.Trainer:
+    trainer = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=3,
+                        limit_val_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(model, **kwargs)
+    return trainer
+
+
+@pytest.mark.timeout(60)
+def test_prepare_data_runs_once_per_host_without_stalling_the_other_ranks(tmp_path: Path) -> None:
+    # Lightning runs `prepare_data` on local rank 0 only and makes the other ranks wait in a barrier
+    _fit(PreparingClassifier(str(tmp_path)), datamodule=PreparingDataModule(str(tmp_path)))
+    assert sorted(name.split("-")[0] for name in os.listdir(tmp_path)) == ["datamodule", "module"]
+
+
+def test_a_hook_set_on_the_instance_runs_on_the_workers() -> None:
+    # what LightningCLI's `optimizer:` config does to `configure_optimizers`
+    def configure_optimizers(self: L.LightningModule) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    L.seed_everything(SEED)
+    patched = Classifier()
+    patched.configure_optimizers = types.MethodType(configure_optimizers, patched)
+    _fit(patched)
+    L.seed_everything(SEED)
+    defined = type("AdamClassifier", (Classifier,), {"configure_optimizers": configure_optimizers})()
+    _fit(defined)
+    assert all(torch.equal(a, b) for a, b in zip(patched.state_dict().values(), defined.state_dict().values()))
+    assert "configure_optimizers" in vars(patched)  # put back as the user set it

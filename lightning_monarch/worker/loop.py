@@ -18,7 +18,6 @@ from typing import Any, Callable, Optional, Union
 from lightning.pytorch import Trainer
 
 from lightning_monarch.protocol import (
-    RANK_LOCAL_HOOKS,
     RESULT_HOOKS,
     SNAPSHOT_GATE,
     Advance,
@@ -50,8 +49,10 @@ class StageLoop:
     """Runs in each worker: one Trainer stage, advanced gate by gate by the controller's messages."""
 
     def __init__(self, trainer: Trainer, run: Callable[[], Any], rank: int, reader: StateReader,
-                 resume: Optional[RankSnapshot] = None) -> None:
+                 resume: Optional[RankSnapshot] = None, skipped: frozenset[str] = frozenset()) -> None:
         self._trainer = trainer
+        #: Rank-local gates (``RANK_LOCAL_HOOKS``) that Lightning never calls on this rank.
+        self._skipped = skipped
         #: Set while a replacement worker catches up (``protocol.ResumePoint``).
         self._resume = resume
         self._run = run
@@ -84,6 +85,11 @@ class StageLoop:
             self._thread.start()
         else:
             self._inbox.put(commands)
+        last = commands[-1]
+        if isinstance(last, Advance) and last.hook in self._skipped:
+            # Answered now, while the loop moves on: before its next gate it may wait in a barrier
+            # (Lightning's around ``prepare_data``) for the ranks that run the hook.
+            return WorkerReply(rank=self._rank, hook=last.hook, skipped=True)
         return self._outbox.get()
 
     def out_of_band(self, fn: Callable[[], Any]) -> Any:
@@ -173,8 +179,8 @@ class StageLoop:
                 return
             if isinstance(command, Peek):
                 self._answer(self._reply(gate, full=True, loaders=True))
-            elif isinstance(command, Advance) and command.hook in RANK_LOCAL_HOOKS:
-                self._answer(WorkerReply(rank=self._rank, hook=command.hook, skipped=True))
+            elif isinstance(command, Advance) and command.hook in self._skipped:
+                pass  # a hook Lightning skips on this rank; ``submit`` answered it
             else:
                 self._free_running = True
                 expected = command.hook if isinstance(command, Advance) else "the end of the stage"

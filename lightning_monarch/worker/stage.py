@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_monarch import _compat
 from lightning_monarch.gates import GateCallback, install_hook_gates
-from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS, StageSpec
+from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS, RANK_LOCAL_HOOKS, StageSpec
 from lightning_monarch.worker.logger import recording_loggers
 from lightning_monarch.worker.loop import StageLoop
 from lightning_monarch.worker.sharding import shard_in_configure_model, sharded_strategy
@@ -125,5 +125,13 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
                 os.remove(snapshot_file)
 
     resume = spec.resume.ranks[rank] if spec.resume is not None else None
-    loop = StageLoop(trainer, run, rank, StateReader(trainer, rank, logger_calls), resume)
+    owners = {gate: module if gate.startswith("module.") else datamodule for gate in RANK_LOCAL_HOOKS}
+    skipped = frozenset(gate for gate, owner in owners.items() if owner is None or not _runs_prepare_data(trainer, owner))
+    loop = StageLoop(trainer, run, rank, StateReader(trainer, rank, logger_calls), resume, skipped)
     return loop
+
+
+def _runs_prepare_data(trainer: Trainer, owner: Any) -> bool:
+    """Whether Lightning calls ``owner.prepare_data`` on this rank (``_DataConnector.prepare_data``):
+    on local rank 0 of every node, or of node 0 only without ``prepare_data_per_node``."""
+    return trainer.local_rank == 0 and (owner.prepare_data_per_node or trainer.node_rank == 0)
