@@ -1,0 +1,183 @@
+"""The scripts under ``examples/`` run as a user runs them: ``python examples/<name>.py``.
+
+Each example runs in its own subprocess, which is the controller and starts and stops its own
+Monarch workers, with flags that keep it short. The test checks the exit code, the final line the
+script prints, and that none of the script's worker processes outlives it: the conftest leak check
+sees only this process's children, so the script's workers are found by a marker in their
+environment, which they inherit from the script.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Environment variable that marks the worker processes of one example run.
+RUN_MARKER = "LIGHTNING_MONARCH_EXAMPLE_RUN"
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run_script(args: list[str], env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``python <args>`` in the repository root, with ``env`` added to this environment; fail if
+    it runs past ``timeout`` or leaves a worker process behind."""
+    run_id = uuid.uuid4().hex
+    try:
+        completed = subprocess.run(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env={**os.environ, **(env or {}), RUN_MARKER: run_id},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"{args} did not finish within {timeout} s:\n{_text(expired.stdout)}\n{_text(expired.stderr)}")
+    finally:
+        left = _stop_workers_left_by(run_id)
+    assert not left, f"{args} left worker processes behind: {left}"
+    return completed
+
+
+def run_example(args: list[str]) -> str:
+    """Run an example; return its stdout once it exited with 0."""
+    completed = run_script(args)
+    assert completed.returncode == 0, f"{args} failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-6000:]}"
+    return completed.stdout
+
+
+def _text(output: str | bytes | None) -> str:
+    return (output.decode(errors="replace") if isinstance(output, bytes) else output or "")[-4000:]
+
+
+def _stop_workers_left_by(run_id: str, grace: float = 10.0) -> list[int]:
+    """Give the run's worker processes ``grace`` seconds to end, then kill the rest by PID; return
+    the PIDs that had to be killed."""
+    deadline = time.monotonic() + grace
+    while (left := _workers_of(run_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for process in left:
+        process.kill()
+    return [process.pid for process in left]
+
+
+def _workers_of(run_id: str) -> list[psutil.Process]:
+    workers = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if (
+                "bootstrap_main" in " ".join(process.info["cmdline"] or ())
+                and process.environ().get(RUN_MARKER) == run_id
+            ):
+                workers.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return workers
+
+
+def final_match(pattern: str, stdout: str) -> re.Match:
+    match = re.search(pattern, stdout)
+    assert match, f"no line matching {pattern!r} in the output:\n{stdout[-2000:]}"
+    return match
+
+
+def test_image_classifier(tmp_path: Path) -> None:
+    stdout = run_example(["examples/image_classifier.py", "--max-epochs", "2", "--default-root-dir", str(tmp_path)])
+    match = final_match(r"Test accuracy of the best checkpoint: (\d\.\d+) \(macro F1 (\d\.\d+)\)", stdout)
+    assert float(match[1]) > 0.4  # chance is 0.25
+    assert 0 <= float(match[2]) <= 1
+
+
+def test_gan(tmp_path: Path) -> None:
+    stdout = run_example(
+        ["examples/gan.py", "--max-epochs", "1", "--dataset-size", "1024", "--default-root-dir", str(tmp_path)]
+    )
+    match = final_match(r"Modes covered: (\d)/8; samples within 3 std of a mode: (\d+\.\d)%", stdout)
+    assert 0 <= int(match[1]) <= 8 and 0 <= float(match[2]) <= 100
+
+
+def test_transformer_lm(tmp_path: Path) -> None:
+    stdout = run_example(
+        [
+            "examples/transformer_lm.py",
+            "--max-epochs",
+            "2",
+            "--sentences",
+            "2000",
+            "--data-dir",
+            str(tmp_path / "corpus"),
+            "--default-root-dir",
+            str(tmp_path),
+        ]
+    )
+    match = final_match(r"Validation perplexity: (\d+\.\d+) \(a uniform guess: (\d+)\)", stdout)
+    assert float(match[1]) < float(match[2])  # it learned more than the vocabulary
+    assert (tmp_path / "corpus" / "wikitext-2.txt").is_file()  # written by prepare_data on a worker
+
+
+def test_finetune_backbone(tmp_path: Path) -> None:
+    stdout = run_example(
+        [
+            "examples/finetune_backbone.py",
+            "--pretrain-epochs",
+            "2",
+            "--max-epochs",
+            "2",
+            "--default-root-dir",
+            str(tmp_path),
+        ]
+    )
+    match = final_match(r"test accuracy (\d\.\d+); backbone unchanged: (\w+)", stdout)
+    assert 0 <= float(match[1]) <= 1
+    assert match[2] == "True"
+
+
+def test_cli_one_host(tmp_path: Path) -> None:
+    stdout = run_example(
+        [
+            "examples/cli/main.py",
+            "fit",
+            "--config",
+            "examples/cli/monarch_1host.yaml",
+            "--trainer.max_epochs",
+            "3",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ]
+    )
+    final_match(r"Validation R2: -?\d+\.\d+ \(MSE \d+\.\d+", stdout)
+    assert list(tmp_path.glob("lightning_logs/version_0/config.yaml")), "LightningCLI saved no config"
+
+
+def test_cli_slurm_config_is_checked_before_submission(tmp_path: Path) -> None:
+    """``monarch_slurm.yaml`` through ``main.py``'s own LightningCLI, as a user runs it, on a machine
+    without SLURM (``PATH`` is an empty folder, so no ``sbatch`` can be found, even on a cluster).
+
+    Everything up to the submission runs for real: the config parses against the real signatures,
+    ``MonarchStrategy(hosts=SlurmJob(...))`` is instantiated, and ``Trainer(...)`` accepts
+    ``accelerator="gpu"``, ``devices=8`` and ``num_nodes=2`` on this GPU-less controller and checks
+    the job before submitting it (host mesh named ``hosts`` with ``num_nodes`` hosts, one task per
+    node, ``gpus_per_node`` >= ``devices``). The last check, that ``sbatch`` exists, is the one
+    that fails, so nothing is submitted: any other mistake in the file fails earlier, differently.
+    """
+    completed = run_script(
+        ["examples/cli/main.py", "fit", "--config", "examples/cli/monarch_slurm.yaml"],
+        env={"PATH": str(tmp_path)},
+    )
+    assert completed.returncode != 0
+    assert completed.stderr.rstrip().splitlines()[-1] == (
+        "lightning.fabric.utilities.exceptions.MisconfigurationException: `MonarchStrategy(hosts=SlurmJob(...))`"
+        " submits and watches the job with SLURM's sbatch and squeue, which this machine's PATH does not have."
+        " Run the controller on a SLURM login node or inside an allocation, or use `attach_to_workers` / a list"
+        " of worker addresses."
+    ), completed.stderr[-4000:]
