@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import psutil
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -21,7 +22,7 @@ from monarch.job import ProcessJob
 import lightning_monarch
 from lightning_monarch import MonarchStrategy, UnreachableHostsError
 from lightning_monarch.controller.hosts import reachable
-from tests.conftest import run_ddp_reference
+from tests.conftest import ROOT, run_ddp_reference
 from tests.models import Classifier
 from tests.parity_cases import HOST_CASES, comparable_checkpoint, run_case
 from tests.test_parity import assert_same
@@ -175,3 +176,31 @@ def test_unreachable_workers_are_named(worker_host: str) -> None:
         L.Trainer(strategy=MonarchStrategy(hosts=[worker_host, dead], connect_timeout=3), accelerator="cpu",
                   devices=1, num_nodes=2, logger=False)
     assert time.monotonic() - started < 15
+
+
+STARTS_A_JOB = """
+import lightning as L
+from monarch.job import ProcessJob
+from lightning_monarch import MonarchStrategy
+from tests.models import Classifier
+
+job = ProcessJob({"hosts": 1})
+L.Trainer(strategy=MonarchStrategy(hosts=job), accelerator="cpu", devices=1, max_epochs=1, limit_train_batches=1,
+          limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+          enable_model_summary=False).fit(Classifier())
+print("hosts", *[host.pid for host in job._host_to_pid.values()])
+"""
+
+
+def test_a_job_the_strategy_started_ends_with_the_process() -> None:
+    # under LightningCLI nothing else holds the job: its hosts (a SLURM allocation) must not outlive the run
+    done = subprocess.run([sys.executable, "-c", STARTS_A_JOB], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    hosts = [int(pid) for pid in done.stdout.split("hosts", 1)[1].split()]
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(pid) for pid in hosts) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [pid for pid in hosts if psutil.pid_exists(pid)]
+    for pid in alive:
+        psutil.Process(pid).kill()
+    assert hosts and not alive

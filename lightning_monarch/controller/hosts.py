@@ -14,6 +14,7 @@ controller waits for every host to connect and names the addresses that did not.
 
 from __future__ import annotations
 
+import atexit
 import math
 import re
 import shutil
@@ -49,7 +50,13 @@ def host_mesh(hosts: Any, num_nodes: int, gpus_per_host: int, connect_timeout: f
         mesh = attach_to_workers(name=HOSTS_MESH, ca="trust_all_connections", workers=addresses)
     elif callable(getattr(hosts, "state", None)):
         check_job(hosts, num_nodes, gpus_per_host)
+        started_here = not hosts.active
         mesh = _job_host_mesh(hosts)
+        if started_here:
+            # Started without a cached state, so no other process can attach to it: release its hosts
+            # (a SLURM allocation, a ProcessJob's processes) when this process ends, after the warm
+            # mesh stops (``atexit`` runs the later registration, the pool's, first).
+            atexit.register(hosts.kill)
         addresses = _job_addresses(hosts)
     else:
         raise MisconfigurationException(
