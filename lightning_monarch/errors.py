@@ -15,7 +15,7 @@ class WorkerError(RuntimeError):
         where = f" in `{failure.hook}`" if failure.hook else ""
         super().__init__(
             f"Worker rank {failure.rank} on host {failure.host} raised"
-            f" {failure.exception_type}{where}: {failure.message}\n\n"
+            f" {failure.exception_type}{where}: {failure.message}{_under_monarch(failure.message)}\n\n"
             f"Remote traceback (rank {failure.rank}):\n{failure.traceback}"
         )
         self.failure = failure
@@ -24,6 +24,14 @@ class WorkerError(RuntimeError):
     def rank(self) -> int:
         """The global rank of the worker that failed first."""
         return self.failure.rank
+
+
+def _under_monarch(message: str) -> str:
+    """The fix under strategy='monarch' where a worker's error names a fix for ``strategy="ddp"``."""
+    if "find_unused_parameters" in message:
+        return ("\n\nUnder strategy='monarch', the workers' DDP takes the same keyword:"
+                " `Trainer(strategy=MonarchStrategy(find_unused_parameters=True))`.")
+    return ""
 
 
 class MeshFailureError(RuntimeError):

@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning as L
 import pytest
+import torch
 
 from lightning_monarch import MeshFailureError, WorkerError
 from tests.conftest import worker_processes
@@ -129,3 +130,20 @@ def test_dead_worker_outside_a_collective_is_named_within_5_s() -> None:
     assert error.value.ranks == (1,)
     assert recorder.seen == [error.value], "the controller's callbacks saw on_exception"
     assert not worker_processes()
+
+
+class UnusedHeadClassifier(Classifier):
+    """A head that never takes part in the loss: DDP's reducer fails on the next step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused_head = torch.nn.Linear(16, 4)
+
+
+def test_ddps_own_fix_is_given_in_monarch_terms() -> None:
+    trainer = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=3,
+                        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with pytest.raises(WorkerError, match=r"(?s)find_unused_parameters.*Under strategy='monarch'.*"
+                                          r"MonarchStrategy\(find_unused_parameters=True\)"):
+        trainer.fit(UnusedHeadClassifier())
