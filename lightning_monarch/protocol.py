@@ -168,9 +168,16 @@ def gate_id(owner: str, hook: str) -> str:
 class ShardingSpec:
     """How the workers shard the module under ``MonarchStrategy(parallelism="fsdp")``: with
     FSDP2's ``fully_shard``, each instance of the ``policy`` module classes, then the root module,
-    after the module's own ``configure_model`` (which may shard it itself; see ``worker.sharding``)."""
+    after the module's own ``configure_model`` (which may shard it itself; see ``worker.sharding``).
+    The options apply to the ``fully_shard`` calls the workers make, not to the module's own."""
 
     policy: tuple[type, ...] = ()
+    #: FSDP2's ``MixedPrecisionPolicy`` (a param and a reduce dtype), or ``None`` for none.
+    mixed_precision: Optional[Any] = None
+    #: Module classes whose every instance recomputes its activations in the backward pass.
+    activation_checkpointing: tuple[type, ...] = ()
+    #: Keep the sharded parameters (and so their gradients and optimizer state) on the CPU.
+    cpu_offload: bool = False
 
     def no_match_warning(self) -> str:
         """The warning for a policy that names no class of the module's submodules."""

@@ -4,7 +4,9 @@ Runs in each worker process. The worker's Trainer uses Lightning's own ``ModelPa
 (FSDP2, ``torch.distributed.fsdp.fully_shard``) with one data-parallel dimension over all ranks
 and no tensor parallelism. The module is sharded where Lightning expects it, in
 ``configure_model``: first the module's own hook runs (it may call ``fully_shard`` itself, on
-``self.device_mesh["data_parallel"]``), then the policy's module classes and the root are sharded.
+``self.device_mesh["data_parallel"]``), then the activation-checkpointing classes are wrapped, and
+the policy's module classes and the root are sharded with the strategy's mixed precision and CPU
+offload.
 """
 
 from __future__ import annotations
@@ -18,8 +20,21 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from typing_extensions import override
 
 from lightning_monarch.protocol import ShardingSpec, TrainerConfig
 
@@ -28,9 +43,28 @@ from lightning_monarch.protocol import ShardingSpec, TrainerConfig
 _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
+class OffloadedModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` for a module sharded with FSDP2's CPU offload.
+
+    Runs in each worker. FSDP2 keeps offloaded shards on the CPU and copies each to the device only
+    for its all-gather, and refuses shards found on the device; Lightning's ``model_to_device``
+    would move them there. Every parameter belongs to a shard (the root is sharded last), so only
+    the buffers go to the device.
+    """
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        for submodule in self.model.modules():
+            for name, buffer in submodule.named_buffers(recurse=False):
+                submodule._buffers[name] = buffer.to(self.root_device)
+
+
 def sharded_strategy(config: TrainerConfig, parallel_devices: Optional[list[torch.device]]) -> ModelParallelStrategy:
     """Lightning's ``ModelParallelStrategy`` for this rank: every rank one data-parallel shard."""
-    strategy = ModelParallelStrategy(
+    assert config.sharding is not None
+    strategy_class = OffloadedModelParallelStrategy if config.sharding.cpu_offload else ModelParallelStrategy
+    strategy = strategy_class(
         data_parallel_size=config.devices * config.num_nodes,
         tensor_parallel_size=1,
         process_group_backend=config.process_group_backend,
@@ -63,10 +97,18 @@ def shard_in_configure_model(module: LightningModule, spec: ShardingSpec) -> Non
 
 
 def shard(module: LightningModule, spec: ShardingSpec, warn: bool = True) -> None:
-    """``fully_shard`` each instance of ``spec.policy`` not sharded yet, then the root module; and
-    let FSDP2 gather the root's parameters around the step methods, which Lightning calls instead
-    of ``forward``."""
+    """Wrap each instance of ``spec.activation_checkpointing`` for activation checkpointing,
+    ``fully_shard`` each instance of ``spec.policy`` not sharded yet (its checkpoint wrapper, when
+    it has one, as torchtitan does), then the root module, with the spec's mixed precision and CPU
+    offload; and let FSDP2 gather the root's parameters around the step methods, which Lightning
+    calls instead of ``forward``."""
     mesh = module.device_mesh["data_parallel"]
+    options = {
+        "mesh": mesh,
+        "mp_policy": spec.mixed_precision or MixedPrecisionPolicy(),
+        # pinned host memory speeds up the copies to a GPU; without one there is none to pin
+        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if spec.cpu_offload else OffloadPolicy(),
+    }
     policy = spec.policy
     matched = [
         submodule
@@ -75,12 +117,28 @@ def shard(module: LightningModule, spec: ShardingSpec, warn: bool = True) -> Non
     ]
     if warn and policy and not matched and not isinstance(module, FSDPModule):
         rank_zero_warn(spec.no_match_warning())
+    wrappers = checkpoint_activations(module, spec.activation_checkpointing)
     for submodule in matched:
-        fully_shard(submodule, mesh=mesh)
+        fully_shard(wrappers.get(submodule, submodule), **options)
     if not isinstance(module, FSDPModule):
-        fully_shard(module, mesh=mesh)
+        fully_shard(module, **options)
     for method in _STEP_METHODS:
         register_fsdp_forward_method(module, method)
+
+
+def checkpoint_activations(module: torch.nn.Module, classes: tuple[type, ...]) -> dict[torch.nn.Module, CheckpointWrapper]:
+    """Wrap every instance of ``classes`` in ``module`` with ``checkpoint_wrapper`` (its activations
+    are recomputed in the backward pass instead of kept), as Lightning's ``FSDPStrategy`` does for
+    its ``activation_checkpointing_policy``; return each wrapped module's wrapper."""
+    if classes:
+        apply_activation_checkpointing(
+            module, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda submodule: isinstance(submodule, classes)
+        )
+    return {
+        wrapper._checkpoint_wrapped_module: wrapper
+        for wrapper in module.modules()
+        if isinstance(wrapper, CheckpointWrapper)
+    }
 
 
 def is_sharded(module: torch.nn.Module) -> bool:
