@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_monarch import _compat
 from lightning_monarch.accelerator import WorkerGPUAccelerator
+from lightning_monarch.controller.checkpoints import convert_sharded_checkpoint
 from lightning_monarch.controller.pool import stop_meshes
 from lightning_monarch.controller.stats import MeshStatsMonitor
 from lightning_monarch.errors import MeshFailureError, UnreachableHostsError, WorkerError, WorkerTimeoutError
@@ -25,6 +26,7 @@ __all__ = [
     "WorkerGPUAccelerator",
     "WorkerTimeoutError",
     "UnreachableHostsError",
+    "convert_sharded_checkpoint",
     "stop_meshes",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""``lightning-monarch``: the plugin's command line, with ``info``, ``preflight`` and ``benchmark``.
+"""``lightning-monarch``: the plugin's command line, with ``info``, ``preflight``, ``benchmark`` and ``convert``.
 
 Runs in the user's shell on the controller's machine (``python -m lightning_monarch`` is the same).
 
@@ -8,6 +8,8 @@ Runs in the user's shell on the controller's machine (``python -m lightning_mona
   amdsmi on ROCm), as Lightning does.
 - ``preflight`` starts the mesh and checks every worker (``lightning_monarch.preflight``).
 - ``benchmark`` times ``monarch`` against ``ddp`` on this machine (``lightning_monarch.benchmark``).
+- ``convert`` turns a sharded checkpoint directory (``parallelism="fsdp"``) into one Lightning
+  checkpoint file, in this process alone (``lightning_monarch.convert_sharded_checkpoint``).
 
 Bad input is rejected before anything starts, with the fix in the message. Exit codes: 0 done,
 1 a check or a run failed, 2 bad input.
@@ -200,6 +202,16 @@ def _benchmark(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    """``lightning-monarch convert``: ``convert_sharded_checkpoint`` here, no worker."""
+    try:
+        lightning_monarch.convert_sharded_checkpoint(args.source, args.destination)
+    except FileNotFoundError as error:
+        raise UsageError(str(error)) from None
+    print(f"Wrote {args.destination}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line: one subcommand per tool; ``preflight`` takes ``lightning_monarch.preflight``'s options."""
     parser = argparse.ArgumentParser(prog=PROG, description="Tools for Lightning's strategy='monarch'.")
@@ -227,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     benchmark.add_argument("--reps", type=int, default=2, help="runs per strategy, alternating")
     benchmark.add_argument("--json", action="store_true", help="print JSON")
     benchmark.set_defaults(run=_benchmark)
+
+    convert = commands.add_parser("convert", help="a sharded checkpoint directory to one checkpoint file",
+                                  description=lightning_monarch.convert_sharded_checkpoint.__doc__.splitlines()[0])
+    convert.add_argument("source", help="the sharded checkpoint directory (parallelism='fsdp')")
+    convert.add_argument("destination", help="the single-file Lightning checkpoint to write")
+    convert.set_defaults(run=_convert)
     return parser
 
 

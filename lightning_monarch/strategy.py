@@ -23,11 +23,18 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_monarch.accelerator import WorkerGPUAccelerator
+from lightning_monarch.controller.checkpoints import (
+    METADATA_FILENAME,
+    check_module_keys,
+    is_sharded_checkpoint,
+    prepare_directory,
+)
 from lightning_monarch.controller.devices import pinned_environments
 from lightning_monarch.controller.hosts import host_mesh
 from lightning_monarch.controller.output import WorkerOutput
@@ -40,11 +47,6 @@ from lightning_monarch.protocol import CheckpointState, RankStats, ShardingSpec
 _DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
 #: How the workers hold the module: a replica each, or sharded with FSDP2.
 _PARALLELISMS = ("ddp", "fsdp")
-#: What a sharded run cannot do yet, for the errors that say so.
-_NO_SHARDED_CHECKPOINTS = (
-    "sharded checkpoints under parallelism='fsdp' are not supported yet: the controller would have to gather the"
-    " full model to write one, and under FSDP it never holds the full model"
-)
 
 
 class MonarchStrategy(ParallelStrategy):
@@ -96,6 +98,16 @@ class MonarchStrategy(ParallelStrategy):
             ``{nn.TransformerEncoderLayer}``) whose every instance is sharded on its own, after
             the module's ``configure_model``; the root module is sharded last. Like the
             ``auto_wrap_policy`` of Lightning's ``FSDPStrategy``.
+        mixed_precision: with ``parallelism="fsdp"``, FSDP2's ``MixedPrecisionPolicy``, e.g.
+            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: the
+            gathered parameters and the computation in ``param_dtype``, the gradient reduction in
+            ``reduce_dtype``; the shards and the optimizer stay in the parameters' own dtype.
+        activation_checkpointing_policy: with ``parallelism="fsdp"``, module classes whose every
+            instance recomputes its activations in the backward pass instead of keeping them,
+            as in Lightning's ``FSDPStrategy``.
+        cpu_offload: with ``parallelism="fsdp"``, keep the shards of the parameters, their
+            gradients and the optimizer state in CPU memory (FSDP2's ``CPUOffloadPolicy``); the
+            optimizer steps on the CPU.
         **ddp_kwargs: keyword arguments for ``DistributedDataParallel`` on the workers, as for
             ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``, ...).
     """
@@ -120,6 +132,9 @@ class MonarchStrategy(ParallelStrategy):
         keep_warm: bool = True,
         parallelism: str = "ddp",
         fsdp_policy: Optional[Iterable[type[nn.Module]]] = None,
+        mixed_precision: Optional[MixedPrecisionPolicy] = None,
+        activation_checkpointing_policy: Optional[Iterable[type[nn.Module]]] = None,
+        cpu_offload: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -162,6 +177,16 @@ class MonarchStrategy(ParallelStrategy):
         self.max_restarts = max_restarts
         self.parallelism = parallelism
         self.fsdp_policy = _check_sharding(parallelism, fsdp_policy, max_restarts, ddp_kwargs)
+        self.mixed_precision = _check_mixed_precision(parallelism, mixed_precision)
+        self.activation_checkpointing_policy = _module_classes(
+            "activation_checkpointing_policy", activation_checkpointing_policy, parallelism,
+            "checkpoints the activations of sharded modules",
+        )
+        if not isinstance(cpu_offload, bool):
+            raise TypeError(f"`MonarchStrategy(cpu_offload={cpu_offload!r})`: give True or False.")
+        if cpu_offload and parallelism != "fsdp":
+            raise ValueError(_fsdp_only("cpu_offload=True", "offloads the shards of the parameters"))
+        self.cpu_offload = cpu_offload
         self.snapshot_every_n_epochs = snapshot_every_n_epochs
         self.step_timeout = step_timeout
         #: How many times this strategy's stages replaced their worker processes after a failure.
@@ -342,26 +367,23 @@ class MonarchStrategy(ParallelStrategy):
                 " weights first: `model.to_empty(device='cpu');"
                 " model.load_state_dict(trainer.strategy.gather_full_state_dict())`."
             )
-        if trainer.checkpoint_callbacks:
-            raise MisconfigurationException(
-                f"`Trainer(strategy=MonarchStrategy(parallelism='fsdp'))` with"
-                f" `{type(trainer.checkpoint_callbacks[0]).__name__}`: {_NO_SHARDED_CHECKPOINTS}. Pass"
-                " `Trainer(enable_checkpointing=False)` and no checkpoint callback."
-            )
-        if ckpt_path is not None:
-            raise MisconfigurationException(
-                f"`trainer.{stage}(ckpt_path={ckpt_path!r})` under"
-                f" `MonarchStrategy(parallelism='fsdp')`: {_NO_SHARDED_CHECKPOINTS}, nor is resuming from one."
-                " Remove `ckpt_path`."
-            )
         builds_submodules = is_overridden("configure_model", module, LightningModule)
+        if isinstance(ckpt_path, (str, os.PathLike)) and os.path.exists(ckpt_path):
+            _require_sharded_checkpoint(ckpt_path)
+            if not builds_submodules:  # otherwise its full keys exist on the workers only
+                check_module_keys(ckpt_path, module, strict=module.strict_loading)
         if not self.fsdp_policy and not builds_submodules:
             raise MisconfigurationException(
                 f"`MonarchStrategy(parallelism='fsdp')`: `{type(module).__name__}` would not be sharded: give the"
                 " classes of its repeated blocks, e.g. `MonarchStrategy(parallelism='fsdp',"
                 " fsdp_policy={nn.TransformerEncoderLayer})`, or call `fully_shard` in its `configure_model`."
             )
-        spec = ShardingSpec(policy=self.fsdp_policy)
+        spec = ShardingSpec(
+            policy=self.fsdp_policy,
+            mixed_precision=self.mixed_precision,
+            activation_checkpointing=self.activation_checkpointing_policy,
+            cpu_offload=self.cpu_offload,
+        )
         if self.fsdp_policy and not builds_submodules and not any(
             isinstance(submodule, self.fsdp_policy) for submodule in module.modules() if submodule is not module
         ):
@@ -380,14 +402,17 @@ class MonarchStrategy(ParallelStrategy):
         """
         if self.parallelism != "fsdp":
             return self.lightning_module_state_dict()
+        return self._sharded_session("trainer.strategy.gather_full_state_dict()").full_state_dict()
+
+    def _sharded_session(self, call: str) -> StageSession:
+        """The stage whose workers hold the module's shards: the running one, else the last one."""
         session = self._session or self._last_sharded
         if session is None:
             raise RuntimeError(
-                "`MonarchStrategy.gather_full_state_dict()` gathers the shards of a stage under"
-                " `parallelism='fsdp'`, and no stage has run with this strategy yet. Call it during or after"
-                " `trainer.fit(...)`."
+                f"`{call}` needs the module's shards on the workers under `parallelism='fsdp'`, and no stage has run"
+                " with this strategy yet. Call it during or after `trainer.fit(...)`."
             )
-        return session.full_state_dict()
+        return session
 
     def keep_until_exception_handled(self, undo: Optional[Callable[[], None]]) -> None:
         """Hold ``undo`` until Lightning has run its exception hooks (see ``on_exception``)."""
@@ -400,17 +425,21 @@ class MonarchStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Rank 0's weights under ``parallelism="ddp"``. Under ``"fsdp"`` nothing: the workers write
+        their shards themselves when the checkpoint is saved (``save_checkpoint``); for the full
+        weights call ``gather_full_state_dict()``."""
         if self.parallelism == "fsdp":
-            raise NotImplementedError(
-                f"{_NO_SHARDED_CHECKPOINTS}. For the full weights, call"
-                " `trainer.strategy.gather_full_state_dict()`."
-            )
+            return {}
         if self._session is not None:
             return self._session.checkpoint_state().model
         return super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Rank 0's optimizer state under ``parallelism="ddp"``; under ``"fsdp"`` nothing, as for
+        ``lightning_module_state_dict``."""
+        if self.parallelism == "fsdp":
+            return {}
         state = self._worker_state()
         if state is None:
             raise RuntimeError("The workers' optimizer state is only known during or after `trainer.fit`.")
@@ -418,13 +447,70 @@ class MonarchStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write ``checkpoint`` with the worker callbacks' state added, as DDP's rank 0 would."""
+        """Write ``checkpoint`` with the worker callbacks' state added, as DDP's rank 0 would.
+
+        Under ``parallelism="fsdp"``, ``filepath`` becomes a directory, as under Lightning's
+        ``ModelParallelStrategy``: every worker writes its own shards of the module's and the
+        optimizers' state into it, in parallel (``worker.checkpoints``), then this process writes
+        Lightning's metadata (the rest of ``checkpoint``) beside them, in ``meta.pt``. The full
+        weights never come here. ``filepath`` must be on storage every worker reaches.
+        """
         if self.parallelism == "fsdp":
-            raise NotImplementedError(f"{_NO_SHARDED_CHECKPOINTS}. Do not call `trainer.save_checkpoint`.")
+            self._save_sharded_checkpoint(checkpoint, filepath, storage_options)
+            return
         state = self._worker_state()
         if state is not None and state.callbacks:
             checkpoint.setdefault("callbacks", {}).update(state.callbacks)
         super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _save_sharded_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                                 storage_options: Optional[Any]) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "`trainer.save_checkpoint(..., storage_options=...)` under `MonarchStrategy(parallelism='fsdp')`: the"
+                " workers write the shards with `torch.distributed.checkpoint`, not with the `CheckpointIO` that"
+                " takes these options. Remove `storage_options`."
+            )
+        session = self._sharded_session("trainer.save_checkpoint(path)")
+        directory = prepare_directory(filepath)
+        checkpoint.pop("state_dict", None)
+        optimizers = checkpoint.pop("optimizer_states", None) is not None
+        callbacks = session.save_sharded_checkpoint(str(directory), optimizers)
+        if callbacks:
+            checkpoint.setdefault("callbacks", {}).update(callbacks)
+        torch.save(checkpoint, directory / METADATA_FILENAME)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Under ``parallelism="fsdp"``: the metadata of the sharded checkpoint directory
+        ``checkpoint_path``; the workers load (and reshard) the shards themselves."""
+        if self.parallelism != "fsdp":
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        _require_sharded_checkpoint(checkpoint_path)
+        return self.checkpoint_io.load_checkpoint(os.path.join(checkpoint_path, METADATA_FILENAME),
+                                                  weights_only=weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Under ``parallelism="fsdp"`` the workers load the module's shards; the controller's module
+        keeps its weights."""
+        if self.parallelism != "fsdp":
+            super().load_model_state_dict(checkpoint, strict)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Under ``parallelism="fsdp"`` the workers' ``ModelParallelStrategy`` restores a checkpoint
+        after ``configure_optimizers``; the controller restores at the same point, so that both
+        loops call ``on_load_checkpoint`` in the same order (L1)."""
+        return self.parallelism == "fsdp"
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        """Under ``parallelism="fsdp"`` a checkpoint's metadata holds no optimizer state: the workers
+        load theirs from the shards."""
+        return self.parallelism != "fsdp"
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
@@ -434,17 +520,32 @@ class MonarchStrategy(ParallelStrategy):
     def teardown(self) -> None:
         """Lightning's teardown moves the module to the CPU, where the controller's module already
         is; a module emptied after a sharded ``fit`` (on the meta device) has no data to move, so
-        Lightning's teardown does not get it."""
+        Lightning's teardown does not get it, and it is attached again after (for
+        ``trainer.save_checkpoint`` after ``fit``)."""
         module = self.lightning_module
-        if module is not None and _on_meta_device(module):
+        emptied = module is not None and _on_meta_device(module)
+        if emptied:
             self._lightning_module = None
         super().teardown()
+        if emptied:  # still attached, for ``trainer.save_checkpoint`` after ``fit``
+            self._lightning_module = module
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         undo, self._undo_on_exception = self._undo_on_exception, None
         if undo is not None:
             undo()
+
+
+def _require_sharded_checkpoint(path: Any) -> None:
+    """Under ``parallelism="fsdp"`` the workers resume from a sharded checkpoint directory only."""
+    if not is_sharded_checkpoint(path):
+        raise ValueError(
+            f"`ckpt_path={str(path)!r}` under `MonarchStrategy(parallelism='fsdp')` is not a sharded checkpoint (a"
+            f" directory with `{METADATA_FILENAME}`, as `trainer.save_checkpoint` writes under `parallelism='fsdp'`"
+            " or Lightning's `ModelParallelStrategy`). Resuming a sharded run from a single-file checkpoint is not"
+            " supported yet: give a sharded checkpoint directory."
+        )
 
 
 def _on_meta_device(module: nn.Module) -> bool:
@@ -460,18 +561,7 @@ def _check_sharding(parallelism: str, fsdp_policy: Optional[Iterable[type[nn.Mod
             f"`MonarchStrategy(parallelism={parallelism!r})`: choose 'ddp' (a replica of the module on every"
             " worker) or 'fsdp' (the module sharded across the workers with FSDP2)."
         )
-    policy = tuple(sorted(set(fsdp_policy or ()), key=repr))
-    bad = [cls for cls in policy if not (isinstance(cls, type) and issubclass(cls, nn.Module))]
-    if bad:
-        raise TypeError(
-            f"`MonarchStrategy(fsdp_policy={set(policy)!r})`: {bad} are not `nn.Module` classes. Give module"
-            " classes, e.g. `fsdp_policy={nn.TransformerEncoderLayer}`."
-        )
-    if parallelism == "ddp" and policy:
-        raise ValueError(
-            "`MonarchStrategy(fsdp_policy=...)` shards modules, which only `parallelism='fsdp'` does. Pass"
-            " `MonarchStrategy(parallelism='fsdp', fsdp_policy=...)`."
-        )
+    policy = _module_classes("fsdp_policy", fsdp_policy, parallelism, "shards modules")
     if parallelism == "fsdp" and ddp_kwargs:
         raise ValueError(
             f"`MonarchStrategy(parallelism='fsdp', {', '.join(f'{name}=...' for name in sorted(ddp_kwargs))})`:"
@@ -484,3 +574,50 @@ def _check_sharding(parallelism: str, fsdp_policy: Optional[Iterable[type[nn.Mod
             " yet). Pass `max_restarts=0`."
         )
     return policy
+
+
+def _module_classes(argument: str, classes: Optional[Iterable[type[nn.Module]]], parallelism: str,
+                    what: str) -> tuple[type[nn.Module], ...]:
+    """Validate a ``MonarchStrategy`` argument that names module classes for sharded workers
+    (``fsdp_policy``, ``activation_checkpointing_policy``); return them in a fixed order."""
+    found = tuple(sorted(set(classes or ()), key=repr))
+    bad = [cls for cls in found if not (isinstance(cls, type) and issubclass(cls, nn.Module))]
+    if bad:
+        raise TypeError(
+            f"`MonarchStrategy({argument}={set(found)!r})`: {bad} are not `nn.Module` classes. Give module"
+            f" classes, e.g. `{argument}={{nn.TransformerEncoderLayer}}`."
+        )
+    if found and parallelism != "fsdp":
+        raise ValueError(_fsdp_only(f"{argument}=...", what))
+    return found
+
+
+def _check_mixed_precision(parallelism: str, mixed_precision: Any) -> Optional[MixedPrecisionPolicy]:
+    """Validate ``MonarchStrategy(mixed_precision=...)``: FSDP2's policy, with floating dtypes."""
+    example = "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
+    if mixed_precision is None:
+        return None
+    if not isinstance(mixed_precision, MixedPrecisionPolicy):
+        raise TypeError(
+            f"`MonarchStrategy(mixed_precision={mixed_precision!r})`: give FSDP2's `MixedPrecisionPolicy` (from"
+            f" `torch.distributed.fsdp`), e.g. `mixed_precision={example}`."
+        )
+    dtypes = {name: getattr(mixed_precision, name) for name in ("param_dtype", "reduce_dtype", "output_dtype")}
+    bad = {name: dtype for name, dtype in dtypes.items() if dtype is not None and not (
+        isinstance(dtype, torch.dtype) and dtype.is_floating_point)}
+    if bad:
+        raise TypeError(
+            f"`MonarchStrategy(mixed_precision={mixed_precision!r})`: {bad} are not floating-point torch dtypes."
+            f" Give e.g. `mixed_precision={example}`."
+        )
+    if parallelism != "fsdp":
+        raise ValueError(_fsdp_only("mixed_precision=...", "casts the gathered shards of the parameters"))
+    return mixed_precision
+
+
+def _fsdp_only(argument: str, what: str) -> str:
+    """The error for a sharding option given without ``parallelism="fsdp"``."""
+    return (
+        f"`MonarchStrategy({argument})` {what}, which only `parallelism='fsdp'` does. Pass"
+        f" `MonarchStrategy(parallelism='fsdp', {argument})`."
+    )

@@ -75,7 +75,7 @@ def lightning_log_level():
 def test_help_lists_the_commands() -> None:
     done = run("--help")
     assert done.returncode == 0, done.stderr
-    assert re.findall(r"^    (\w+)", done.stdout, re.MULTILINE) == ["info", "preflight", "benchmark"], done.stdout
+    assert re.findall(r"^    (\w+)", done.stdout, re.MULTILINE) == ["info", "preflight", "benchmark", "convert"], done.stdout
 
 
 @pytest.mark.timeout(60)

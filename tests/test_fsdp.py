@@ -7,14 +7,18 @@ tolerance, not bit for bit.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
+import psutil
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monarch import MonarchStrategy
 from tests.conftest import run_ddp_reference, worker_processes
@@ -64,7 +68,7 @@ class GatherAtFitEnd(L.Callback):
 def test_controller_never_holds_the_trained_weights() -> None:
     """After ``fit`` the controller's module is on the meta device; the full weights come only
     through ``gather_full_state_dict()``, during the stage or after it from the warm mesh; the
-    module cannot run another stage, nor can a checkpoint be written."""
+    module cannot run another stage."""
     L.seed_everything(SEED)
     model = TokenTransformer()
     initial = {name: value.clone() for name, value in model.state_dict().items()}
@@ -81,8 +85,6 @@ def test_controller_never_holds_the_trained_weights() -> None:
         torch.testing.assert_close(value, gather.state[name], rtol=0, atol=0, msg=name)
     assert not torch.equal(after["encoder.layers.0.linear1.weight"], initial["encoder.layers.0.linear1.weight"])
 
-    with pytest.raises(NotImplementedError, match="sharded checkpoints under parallelism='fsdp' are not supported"):
-        trainer.save_checkpoint("unused.ckpt")
     with pytest.raises(MisconfigurationException, match="parameters on the meta device.*gather_full_state_dict"):
         trainer.validate(model)
     model.to_empty(device="cpu")
@@ -99,6 +101,138 @@ def test_policy_that_matches_nothing_warns_and_shards_the_root() -> None:
     assert len(trainer.strategy.gather_full_state_dict()) == len(TokenTransformer().state_dict())
 
 
+class RecordingTransformer(TokenTransformer):
+    """``TokenTransformer`` that records, on the workers, what the sharded module computes with:
+    the dtype of the root's gathered parameters in ``training_step``, the dtype of the shards the
+    optimizer steps, and the class of each encoder layer."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.compute_dtype = self.head.weight.dtype
+        self.layer_classes = [type(layer).__name__ for layer in self.encoder.layers]
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.shard_dtypes = {parameter.dtype for parameter in self.parameters()}
+
+
+def _fit_sharded(**options: Any) -> tuple[RecordingTransformer, dict[str, torch.Tensor]]:
+    L.seed_everything(SEED)
+    model = RecordingTransformer()
+    trainer = _trainer(MonarchStrategy(parallelism="fsdp", fsdp_policy=POLICY, **options))
+    trainer.fit(model)
+    return model, trainer.strategy.gather_full_state_dict()
+
+
+@pytest.fixture(scope="module")
+def fp32_run() -> tuple[RecordingTransformer, dict[str, torch.Tensor]]:
+    return _fit_sharded()
+
+
+def test_mixed_precision_computes_in_bf16_and_keeps_fp32_shards(fp32_run: Any) -> None:
+    """The gathered parameters are bf16 in ``training_step``; the shards the optimizer steps stay
+    fp32; the losses stay close to the fp32 run's."""
+    reference, _ = fp32_run
+    assert reference.compute_dtype == torch.float32
+    model, weights = _fit_sharded(mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                       reduce_dtype=torch.float32))
+    assert model.compute_dtype == torch.bfloat16
+    assert model.shard_dtypes == {torch.float32}
+    assert {value.dtype for value in weights.values()} == {torch.float32}
+    assert all(torch.isfinite(torch.tensor(model.losses)))
+    torch.testing.assert_close(model.losses, reference.losses, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize(
+    ("options", "layer_class"),
+    [
+        ({"activation_checkpointing_policy": POLICY}, "FSDPCheckpointWrapper"),
+        ({"cpu_offload": True}, "FSDPTransformerEncoderLayer"),
+    ],
+)
+def test_activation_checkpointing_and_cpu_offload_train_as_without(
+    options: dict[str, Any], layer_class: str, fp32_run: Any
+) -> None:
+    """Recomputed activations and CPU-held shards give the same losses and weights; with
+    activation checkpointing each layer is sharded inside its checkpoint wrapper."""
+    reference, reference_weights = fp32_run
+    model, weights = _fit_sharded(**options)
+    assert model.layer_classes == [layer_class] * 4
+    torch.testing.assert_close(model.losses, reference.losses, **TOLERANCE)
+    assert set(weights) == set(reference_weights)
+    for name, weight in reference_weights.items():
+        torch.testing.assert_close(weights[name], weight, **TOLERANCE, msg=name)
+
+
+class WideStack(L.LightningModule):
+    """A stack of ``depth`` square Linear layers of ``width``, built in ``configure_model``: on the
+    workers, so that the controller's module never holds their weights (the memory rule of
+    docs/fsdp.md). ``parameter_count`` is counted on the workers."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.width, self.depth = width, depth
+        self.layers: Optional[nn.Sequential] = None
+
+    def configure_model(self) -> None:
+        self.layers = nn.Sequential(*(nn.Linear(self.width, self.width) for _ in range(self.depth)))
+        self.parameter_count = sum(parameter.numel() for parameter in self.layers.parameters())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        assert self.layers is not None
+        return self.layers(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(4, self.width)), batch_size=1)
+
+
+class PeakRss:
+    """Samples this process's RSS in a thread while the block runs: the peak above the start."""
+
+    def __enter__(self) -> "PeakRss":
+        self._process = psutil.Process()
+        self.start = self.peak = self._process.memory_info().rss
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.005):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        self._thread.join()
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start
+
+
+def _controller_growth(width: int, depth: int) -> tuple[int, WideStack]:
+    """How much the controller's RSS grows from building the model to the end of a 2-step ``fit``."""
+    trainer = _trainer(MonarchStrategy(parallelism="fsdp", fsdp_policy={nn.Linear}), max_steps=2)
+    with PeakRss() as rss:
+        model = WideStack(width, depth)
+        trainer.fit(model)
+    assert trainer.global_step == 2
+    return rss.growth, model
+
+
+def test_controller_memory_stays_flat_while_the_model_grows() -> None:
+    """A ~300 MB model built in ``configure_model`` trains on 2 sharded workers while the
+    controller's RSS grows by less than a twentieth of it, as for a model 3000 times smaller
+    (which runs first, so that the mesh's start is not counted against the big one)."""
+    _, small = _controller_growth(width=64, depth=2)
+    big_growth, big = _controller_growth(width=2048, depth=18)
+    assert small.parameter_count == 2 * 64 * 65 and big.parameter_count == 18 * 2048 * 2049
+    assert list(big.parameters()) == []  # the controller's module never had the layers
+    assert big_growth < 4 * big.parameter_count / 20, f"{big_growth / 2**20:.0f} MiB"
+
+
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
@@ -108,6 +242,20 @@ def test_policy_that_matches_nothing_warns_and_shards_the_root() -> None:
          "find_unused_parameters=...\\)`: these are `DistributedDataParallel` arguments"),
         ({"fsdp_policy": POLICY}, ValueError, "only `parallelism='fsdp'` does"),
         ({"parallelism": "fsdp", "fsdp_policy": {"TransformerEncoderLayer"}}, TypeError, "are not `nn.Module` classes"),
+        ({"parallelism": "fsdp", "mixed_precision": (torch.bfloat16, torch.float32)}, TypeError,
+         r"give FSDP2's `MixedPrecisionPolicy`.*mixed_precision=MixedPrecisionPolicy\(param_dtype=torch.bfloat16"),
+        ({"parallelism": "fsdp", "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}, TypeError,
+         "give FSDP2's `MixedPrecisionPolicy`"),
+        ({"parallelism": "fsdp", "mixed_precision": MixedPrecisionPolicy(param_dtype=torch.int8)}, TypeError,
+         r"\{'param_dtype': torch.int8\} are not floating-point torch dtypes"),
+        ({"mixed_precision": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}, ValueError,
+         r"only `parallelism='fsdp'` does. Pass `MonarchStrategy\(parallelism='fsdp', mixed_precision=...\)`"),
+        ({"parallelism": "fsdp", "activation_checkpointing_policy": [nn.Linear, "Block"]}, TypeError,
+         r"activation_checkpointing_policy=.*\['Block'\] are not `nn.Module` classes"),
+        ({"activation_checkpointing_policy": POLICY}, ValueError,
+         r"activation_checkpointing_policy=...\)` checkpoints the activations of sharded modules, which only"),
+        ({"parallelism": "fsdp", "cpu_offload": "yes"}, TypeError, r"cpu_offload='yes'\)`: give True or False"),
+        ({"cpu_offload": True}, ValueError, r"Pass `MonarchStrategy\(parallelism='fsdp', cpu_offload=True\)`"),
     ],
 )
 def test_bad_strategy_arguments(options: dict[str, Any], error: type, match: str) -> None:
@@ -118,9 +266,6 @@ def test_bad_strategy_arguments(options: dict[str, Any], error: type, match: str
 @pytest.mark.parametrize(
     ("model", "flags", "fit_kwargs", "match"),
     [
-        (TokenTransformer, {"enable_checkpointing": True}, {}, "ModelCheckpoint`: sharded checkpoints under"
-         " parallelism='fsdp' are not supported yet.*enable_checkpointing=False"),
-        (TokenTransformer, {}, {"ckpt_path": "last.ckpt"}, r"trainer.fit\(ckpt_path='last.ckpt'\)`.*Remove `ckpt_path`"),
         (Classifier, {}, {}, "would not be sharded: give the classes of its repeated blocks"),
     ],
 )

@@ -238,15 +238,27 @@ class WorkerMesh:
     def full_state_dict(self) -> dict[str, Any]:
         """The sharded module's full state dict: every rank gathers, rank 0's comes back. A pure
         read, never replayed on new workers."""
+        self._require_shards("Gather them", "`trainer.strategy.gather_full_state_dict()`")
+        self.flush()
+        return next(state for state in self._send(_Message("full_state_dict", replay=False)) if state is not None)
+
+    def save_sharded_checkpoint(self, path: str, optimizers: bool) -> dict[str, Any]:
+        """Let every rank write its shards of the module's (and with ``optimizers``, the
+        optimizers') state into the directory ``path``, in parallel; return rank 0's worker
+        callbacks' state. Never replayed on new workers."""
+        self._require_shards("Save them", "`trainer.save_checkpoint(path)`")
+        self.flush()
+        return next(state for state in self._send(_Message("save_sharded_checkpoint", (path, optimizers), replay=False))
+                    if state is not None)
+
+    def _require_shards(self, action: str, call: str) -> None:
+        """Raise if this mesh, and the module's shards with it, was stopped."""
         if self._procs is None:
             raise RuntimeError(
                 "The worker mesh of that stage was stopped, and the module's shards with it (by"
                 " `MonarchStrategy(keep_warm=False)`, `lightning_monarch.stop_meshes()`, a failure, or a stage with"
-                " other devices). Gather them while the stage runs, e.g. in a callback's `on_fit_end`:"
-                " `trainer.strategy.gather_full_state_dict()`."
+                f" other devices). {action} while the stage runs, e.g. in a callback's `on_fit_end`: {call}."
             )
-        self.flush()
-        return next(state for state in self._send(_Message("full_state_dict", replay=False)) if state is not None)
 
     def module_attributes(self) -> dict[str, Any]:
         """Rank 0's module's public Python attributes."""

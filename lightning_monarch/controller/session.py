@@ -299,6 +299,12 @@ class StageSession:
         reached during the stage, the final one after it (while the mesh keeps the shards)."""
         return self._mesh.full_state_dict()
 
+    def save_sharded_checkpoint(self, path: str, optimizers: bool) -> dict[str, Any]:
+        """Let the workers write their shards into the directory ``path`` (``worker.checkpoints``),
+        where both loops have reached during the stage, the final ones after it; return rank 0's
+        worker callbacks' state."""
+        return self._mesh.save_sharded_checkpoint(path, optimizers)
+
     def finish(self, trained: bool) -> None:
         """Let the workers finish the stage; take their final metrics and rank 0's module attributes,
         and after training their final state, which the controller's module then holds. A sharded

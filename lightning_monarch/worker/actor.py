@@ -28,6 +28,7 @@ from lightning_monarch.protocol import (
     WorkerReply,
     WorkerReport,
 )
+from lightning_monarch.worker.checkpoints import save_shards
 from lightning_monarch.worker.loop import StageLoop
 from lightning_monarch.worker.preflight import inspect_worker
 from lightning_monarch.worker.sharding import full_state_dict, is_sharded
@@ -114,13 +115,26 @@ class MonarchWorker(Actor):
     def full_state_dict(self) -> Union[Optional[dict[str, Any]], WorkerFailure]:
         """This rank's part in gathering the sharded module's full state dict (rank 0 returns it):
         where the loop is parked, or after a sharded stage from the shards this worker kept."""
+        return self._on_shards(full_state_dict, "full state dict")
+
+    @endpoint
+    def save_sharded_checkpoint(self, path: str, optimizers: bool) -> Union[Optional[dict[str, Any]], WorkerFailure]:
+        """This rank's part in writing a sharded checkpoint into the directory ``path``: its shards
+        of the module's and, with ``optimizers``, the optimizers' state (``worker.checkpoints``);
+        rank 0 returns its worker callbacks' state. Where the loop is parked, or after a sharded
+        stage from the shards this worker kept."""
+        return self._on_shards(lambda module: save_shards(module, path, optimizers), "sharded checkpoint")
+
+    def _on_shards(self, fn: Callable[[torch.nn.Module], Any], what: str) -> Any:
+        """Run ``fn`` on the sharded module: the running stage's, where its loop is parked, or
+        the one this worker kept after a sharded stage."""
         if self._stage is None and self._shards is not None:
             shards = self._shards
             try:
-                return full_state_dict(shards)
+                return fn(shards)
             except BaseException as error:
-                return self._failure(error, "full state dict")
-        return self._out_of_band(lambda reader: full_state_dict(reader.module), "full state dict")
+                return self._failure(error, what)
+        return self._out_of_band(lambda reader: fn(reader.module), what)
 
     @endpoint
     def module_attributes(self) -> Union[dict[str, Any], WorkerFailure]:

@@ -81,13 +81,10 @@ class StateReader:
         them when ``configure_model`` changed the module's structure on the workers."""
         return dict(self.module.named_children())
 
-    def _worker_callbacks(self) -> list[Any]:
-        return [callback for callback in self._trainer.callbacks if not isinstance(callback, GateCallback)]
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """Run the worker callbacks' and then the module's ``on_save_checkpoint`` on a checkpoint
         the controller is writing, in the order Lightning's ``dump_checkpoint`` calls them."""
-        for callback in self._worker_callbacks():
+        for callback in worker_callbacks(self._trainer):
             callback.on_save_checkpoint(self._trainer, self.module, checkpoint)
         self.module.on_save_checkpoint(checkpoint)
         return checkpoint
@@ -122,9 +119,17 @@ class StateReader:
             model=to_cpu(strategy.lightning_module_state_dict()),
             optimizers=[to_cpu(strategy.optimizer_state(optimizer)) for optimizer in self._trainer.optimizers],
             lr_schedulers=[to_cpu(config.scheduler.state_dict()) for config in self._trainer.lr_scheduler_configs],
-            callbacks={
-                callback.state_key: to_cpu(state)
-                for callback in self._worker_callbacks()
-                if (state := callback.state_dict())
-            },
+            callbacks=callback_states(self._trainer),
         )
+
+
+def worker_callbacks(trainer: Trainer) -> list[Any]:
+    """The worker callbacks of a worker's Trainer: all but the gate callback."""
+    return [callback for callback in trainer.callbacks if not isinstance(callback, GateCallback)]
+
+
+def callback_states(trainer: Trainer) -> dict[str, Any]:
+    """The worker callbacks' state, as Lightning puts it in a checkpoint's ``callbacks``."""
+    return {
+        callback.state_key: to_cpu(state) for callback in worker_callbacks(trainer) if (state := callback.state_dict())
+    }
