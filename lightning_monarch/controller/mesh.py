@@ -6,6 +6,7 @@ device and turns worker failures into :class:`~lightning_monarch.errors.WorkerEr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -127,19 +128,18 @@ class WorkerMesh:
         with those variables set (its GPU's visibility; see ``controller.devices``), their output
         forwarded here if ``output`` says so."""
         command = default_bootstrap_cmd()
-        if output is not None:
-            output.before_spawn()
-        procs = hosts.spawn_procs(
-            per_host={"gpus": len(environments)},
-            bootstrap_command=(lambda point: command.with_env(environments[point["gpus"]])) if any(environments) else None,
-        )
-        try:
-            setup_torch_elastic_env(procs)
-            if output is not None:
-                output.stream(procs)
-        except BaseException:
-            procs.stop().get(timeout=_STOP_TIMEOUT_S)
-            raise
+        with output.forwarding() if output is not None else contextlib.nullcontext():
+            procs = hosts.spawn_procs(
+                per_host={"gpus": len(environments)},
+                bootstrap_command=(lambda point: command.with_env(environments[point["gpus"]])) if any(environments) else None,
+            )
+            try:
+                setup_torch_elastic_env(procs)
+                if output is not None:
+                    output.stream(procs)
+            except BaseException:
+                procs.stop().get(timeout=_STOP_TIMEOUT_S)
+                raise
         return procs
 
     @classmethod

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
-from monarch._rust_bindings.monarch_hyperactor.config import configure
+from monarch._rust_bindings.monarch_hyperactor.config import configure, get_global_config
 from monarch.actor import ProcMesh
 
 
@@ -27,9 +29,17 @@ class WorkerOutput:
     aggregate_window_sec: Optional[int]
 
     @staticmethod
-    def before_spawn() -> None:
-        """Monarch starts a forwarder in each new worker process only while forwarding is on."""
+    @contextmanager
+    def forwarding() -> Iterator[None]:
+        """Monarch starts a forwarder in each worker process spawned while forwarding is on (a
+        process-wide setting); it is on only while these workers start, so that meshes on this
+        host keep printing directly, as without forwarding."""
+        previous = get_global_config().get("enable_log_forwarding", False)
         configure(enable_log_forwarding=True)
+        try:
+            yield
+        finally:
+            configure(enable_log_forwarding=previous)
 
     def stream(self, procs: ProcMesh) -> None:
         """Stream ``procs``' output to this process. ``ProcMesh.logging_option`` is a coroutine;
