@@ -1,6 +1,7 @@
 """Preflight: every worker of a mesh checks itself before the first step.
 
-    python -m lightning_monarch.preflight --devices 2 [--accelerator gpu] [--all-reduce-mib 64]
+    python -m lightning_monarch.preflight --devices 2 [--accelerator gpu] [--hosts tcp://node-1:26600,...]
+        [--num-nodes 2] [--all-reduce-mib 64]
 
 Runs on the controller. ``MonarchLauncher`` runs it on every new mesh before the first stage, with
 a small all-reduce; run alone, it starts a mesh as ``Trainer(strategy="monarch", ...)`` would and
@@ -79,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Give ``parser`` the command's options; ``lightning-monarch preflight`` has the same ones."""
     parser.add_argument("--devices", type=int, default=1, help="workers per host, as Trainer(devices=...)")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu", "cuda"])
+    parser.add_argument("--hosts", default=None, type=lambda text: [a.strip() for a in text.split(",") if a.strip()],
+                        help="comma-separated worker addresses of other hosts (tcp://node-1:26600,...), each running"
+                             " monarch.actor.run_worker_loop_forever; by default this host")
+    parser.add_argument("--num-nodes", type=int, default=None, help="as Trainer(num_nodes=...): the number of --hosts")
     parser.add_argument("--process-group-backend", default=None)
     parser.add_argument("--all-reduce-mib", type=float, default=64.0)
     parser.add_argument("--all-reduce-limit-s", type=float, default=60.0)
@@ -99,8 +104,10 @@ def run(args: argparse.Namespace) -> int:
     from lightning_monarch.controller.pool import MESHES
     from lightning_monarch.strategy import MonarchStrategy
 
-    strategy = MonarchStrategy(process_group_backend=args.process_group_backend, keep_warm=False)
-    trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices, logger=False)
+    strategy = MonarchStrategy(hosts=args.hosts, process_group_backend=args.process_group_backend, keep_warm=False)
+    num_nodes = args.num_nodes or (len(args.hosts) if args.hosts else 1)
+    trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices, num_nodes=num_nodes,
+                        logger=False)
     key = trainer.strategy.mesh_key()
     mesh = MESHES.acquire(key)
     try:

@@ -168,6 +168,15 @@ def test_workers_at_given_addresses_train(worker_host: str) -> None:
     assert model.ranks == [[0, 0, 0, 2], [1, 1, 0, 2]]
 
 
+def test_preflight_checks_the_workers_of_other_hosts(worker_host: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "lightning_monarch.preflight", "--devices", "2", "--hosts", worker_host,
+                           "--num-nodes", "1", "--all-reduce-mib", "1"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.split()[1:2] in (["0"], ["1"])]
+    assert [row[1] for row in rows] == ["0", "1"], done.stdout
+
+
 def test_unreachable_workers_are_named(worker_host: str) -> None:
     dead = f"tcp://127.0.0.1:{closed_port()}"
     started = time.monotonic()
