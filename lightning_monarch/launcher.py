@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_monarch import _compat, preflight
 from lightning_monarch.controller.callbacks import check_controller_callbacks, check_worker_callbacks
 from lightning_monarch.controller.cells import blocks_the_cell
+from lightning_monarch.controller.checkpoints import SnapshotDirectory
 from lightning_monarch.controller.checks import pack_for_workers
 from lightning_monarch.controller.mirrors import plan_loaders
 from lightning_monarch.controller.pool import MESHES
@@ -83,10 +84,13 @@ class MonarchLauncher(_compat.Launcher):
         mesh = MESHES.acquire(key)
         mesh.step_timeout = self._strategy.step_timeout
         ended_cleanly = False
+        snapshots: Optional[SnapshotDirectory] = None
         try:
             if not mesh.checked:
                 preflight.check(mesh, key.accelerator, key.process_group_backend)
-            mesh.start_stage(spec, self._strategy.max_restarts, self._strategy.snapshot_every_n_epochs)
+            if spec.trainer.sharding is not None and self._strategy.max_restarts:
+                snapshots = SnapshotDirectory(self._strategy.snapshot_dir)
+            mesh.start_stage(spec, self._strategy.max_restarts, self._strategy.snapshot_every_n_epochs, snapshots)
             session = StageSession(trainer, mesh, module, datamodule, self._strategy.worker_callbacks,
                                    sharded=spec.trainer.sharding is not None)
             self._strategy.attach(session)
@@ -108,6 +112,8 @@ class MonarchLauncher(_compat.Launcher):
             self._strategy.attach(None)
             self._strategy.restarts += mesh.restarts
             MESHES.release(key, mesh, keep=self._strategy.keep_warm, failed=not ended_cleanly)
+            if snapshots is not None:
+                snapshots.remove()
             if silence is not None:
                 silence()
 

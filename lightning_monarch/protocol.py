@@ -32,7 +32,7 @@ from __future__ import annotations
 import socket
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from torch.utils._pytree import tree_map
 
@@ -240,7 +240,8 @@ class WorkerReport:
 class RankSnapshot:
     """One rank's part of a snapshot: what a Lightning checkpoint does not hold (the random
     states, the module's public attributes, the Trainer's stored metric values), and on rank 0
-    the checkpoint itself (``torch.save`` bytes), all read at :data:`SNAPSHOT_GATE`."""
+    the checkpoint itself (``torch.save`` bytes; ``None`` under sharding, where every rank writes its
+    shards into the snapshot's directory instead), all read at :data:`SNAPSHOT_GATE`."""
 
     rank: int
     rng: dict[str, Any]
@@ -253,9 +254,13 @@ class RankSnapshot:
 class ResumePoint:
     """Where a replacement worker's stage starts: Lightning's own resume from ``checkpoint``, run
     without gates up to :data:`SNAPSHOT_GATE`, where each rank takes back its random states and
-    module attributes from ``ranks``; from there the controller replays its journal."""
+    module attributes from ``ranks``; from there the controller replays its journal.
 
-    checkpoint: bytes
+    ``checkpoint`` is rank 0's Lightning checkpoint (``torch.save`` bytes) under ``ddp``, and under
+    ``parallelism="fsdp"`` the path of the sharded checkpoint directory that every rank wrote its
+    shards into (``controller.checkpoints.SnapshotDirectory``)."""
+
+    checkpoint: Union[bytes, str]
     ranks: tuple[RankSnapshot, ...]
 
 

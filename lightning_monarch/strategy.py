@@ -79,7 +79,13 @@ class MonarchStrategy(ParallelStrategy):
         snapshot_every_n_epochs: with ``max_restarts``, how often (in training epochs) the
             controller keeps a snapshot of the workers' state in memory, so that a recovery
             replays only the steps since the last one; epoch starts are where Lightning resumes
-            exactly.
+            exactly. Under ``parallelism="fsdp"`` a snapshot is sharded: every worker writes its
+            shards into a directory (see ``snapshot_dir``) instead.
+        snapshot_dir: with ``parallelism="fsdp"`` and ``max_restarts``, where the workers write the
+            sharded snapshots: each stage makes a temporary directory in it, keeps the last
+            snapshot there and removes it when the stage ends. By default the system's temporary
+            directory on this host; workers on several hosts need a path that they and this
+            process all reach (a shared file system).
         step_timeout: seconds a message may wait for the workers before they count as hung
             (``WorkerTimeoutError`` naming the ranks that did not answer, or a restart); ``None``
             (the default) waits as long as a step takes.
@@ -128,6 +134,7 @@ class MonarchStrategy(ParallelStrategy):
         worker_callbacks: Optional[list[Callback]] = None,
         max_restarts: int = 0,
         snapshot_every_n_epochs: int = 1,
+        snapshot_dir: Optional[Union[str, os.PathLike]] = None,
         step_timeout: Optional[float] = None,
         keep_warm: bool = True,
         parallelism: str = "ddp",
@@ -176,7 +183,7 @@ class MonarchStrategy(ParallelStrategy):
             )
         self.max_restarts = max_restarts
         self.parallelism = parallelism
-        self.fsdp_policy = _check_sharding(parallelism, fsdp_policy, max_restarts, ddp_kwargs)
+        self.fsdp_policy = _check_sharding(parallelism, fsdp_policy, ddp_kwargs)
         self.mixed_precision = _check_mixed_precision(parallelism, mixed_precision)
         self.activation_checkpointing_policy = _module_classes(
             "activation_checkpointing_policy", activation_checkpointing_policy, parallelism,
@@ -188,6 +195,9 @@ class MonarchStrategy(ParallelStrategy):
             raise ValueError(_fsdp_only("cpu_offload=True", "offloads the shards of the parameters"))
         self.cpu_offload = cpu_offload
         self.snapshot_every_n_epochs = snapshot_every_n_epochs
+        if snapshot_dir is not None and parallelism != "fsdp":
+            raise ValueError(_fsdp_only("snapshot_dir=...", "holds the workers' sharded recovery snapshots"))
+        self.snapshot_dir = snapshot_dir
         self.step_timeout = step_timeout
         #: How many times this strategy's stages replaced their worker processes after a failure.
         self.restarts = 0
@@ -258,6 +268,13 @@ class MonarchStrategy(ParallelStrategy):
                 f"`Trainer(strategy='monarch', num_nodes={self.num_nodes})`: without `MonarchStrategy(hosts=...)` the"
                 " workers run on this host only. Give the hosts, e.g. `MonarchStrategy(hosts=SlurmJob(...))`, or"
                 " use `num_nodes=1`."
+            )
+        if self.parallelism == "fsdp" and self.max_restarts and self.num_nodes > 1 and self.snapshot_dir is None:
+            raise MisconfigurationException(
+                f"`MonarchStrategy(parallelism='fsdp', max_restarts={self.max_restarts})` on {self.num_nodes} hosts:"
+                " the workers write the sharded recovery snapshots into a directory they must all reach, and the"
+                " default is a temporary directory on this host only. Pass `snapshot_dir=` a path on a file"
+                " system shared by every host and this process."
             )
         if self.hosts is not None:
             gpus_per_host = len(self.parallel_devices or ()) if self.worker_accelerator == "cuda" else 0
@@ -552,7 +569,7 @@ def _on_meta_device(module: nn.Module) -> bool:
     return any(parameter.is_meta for parameter in module.parameters())
 
 
-def _check_sharding(parallelism: str, fsdp_policy: Optional[Iterable[type[nn.Module]]], max_restarts: int,
+def _check_sharding(parallelism: str, fsdp_policy: Optional[Iterable[type[nn.Module]]],
                     ddp_kwargs: dict[str, Any]) -> tuple[type[nn.Module], ...]:
     """Validate ``MonarchStrategy``'s sharding arguments at construction; return the policy's
     classes in a fixed order."""
@@ -566,12 +583,6 @@ def _check_sharding(parallelism: str, fsdp_policy: Optional[Iterable[type[nn.Mod
         raise ValueError(
             f"`MonarchStrategy(parallelism='fsdp', {', '.join(f'{name}=...' for name in sorted(ddp_kwargs))})`:"
             " these are `DistributedDataParallel` arguments, and sharded workers do not use DDP. Remove them."
-        )
-    if parallelism == "fsdp" and max_restarts:
-        raise ValueError(
-            f"`MonarchStrategy(parallelism='fsdp', max_restarts={max_restarts})`: recovery under sharding is not"
-            " supported yet (no worker holds a replica to restore from, and sharded snapshots are not written"
-            " yet). Pass `max_restarts=0`."
         )
     return policy
 

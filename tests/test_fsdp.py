@@ -237,7 +237,8 @@ def test_controller_memory_stays_flat_while_the_model_grows() -> None:
     ("options", "error", "match"),
     [
         ({"parallelism": "zero3"}, ValueError, r"parallelism='zero3'\)`: choose 'ddp'.* or 'fsdp'"),
-        ({"parallelism": "fsdp", "max_restarts": 1}, ValueError, "recovery under sharding is not supported yet"),
+        ({"max_restarts": 1, "snapshot_dir": "/tmp/snapshots"}, ValueError,
+         r"snapshot_dir=...\)` holds the workers' sharded recovery snapshots, which only `parallelism='fsdp'`"),
         ({"parallelism": "fsdp", "find_unused_parameters": True}, ValueError,
          "find_unused_parameters=...\\)`: these are `DistributedDataParallel` arguments"),
         ({"fsdp_policy": POLICY}, ValueError, "only `parallelism='fsdp'` does"),

@@ -24,6 +24,7 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import HostMesh, ProcMesh, default_bootstrap_cmd, this_host  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env  # noqa: E402
 
+from lightning_monarch.controller.checkpoints import SnapshotDirectory  # noqa: E402
 from lightning_monarch.controller.hosts import host_count  # noqa: E402
 from lightning_monarch.controller.output import WorkerOutput  # noqa: E402
 from lightning_monarch.controller.watch import POLL_S, ProcessWatch  # noqa: E402
@@ -156,12 +157,15 @@ class WorkerMesh:
             procs.stop().get(timeout=_STOP_TIMEOUT_S)
             raise
 
-    def start_stage(self, spec: StageSpec, max_restarts: int = 0, snapshot_every_n_epochs: int = 1) -> None:
+    def start_stage(self, spec: StageSpec, max_restarts: int = 0, snapshot_every_n_epochs: int = 1,
+                    snapshots: Optional[SnapshotDirectory] = None) -> None:
         """Build every rank's Trainer for the stage ``spec`` describes (a failure raises). With
         ``max_restarts`` > 0, a dead or hung worker is replaced up to that many times, from a
-        snapshot taken every ``snapshot_every_n_epochs`` training epochs."""
+        snapshot taken every ``snapshot_every_n_epochs`` training epochs: in this process's
+        memory, or for a sharded module, in ``snapshots``, where every rank writes its shards."""
         self.restarts, self._restarts_left = 0, max_restarts
         self._snapshot_every = snapshot_every_n_epochs
+        self._snapshots = snapshots
         self._journal = [] if max_restarts > 0 else None
         self._origin = "the start of the stage"
         self._send(_Message("start_stage", (spec,)))
@@ -170,17 +174,22 @@ class WorkerMesh:
         """At :data:`~lightning_monarch.protocol.SNAPSHOT_GATE` of training epoch ``epoch``: when
         restarts are allowed and the interval has come, read every rank's snapshot where the
         workers are parked and start the journal anew from it, so that a recovery replays only the
-        messages since. Costs a checkpoint's worth of bytes from rank 0 per snapshot."""
+        messages since. Costs a checkpoint's worth of bytes from rank 0 per snapshot; for a sharded
+        module, every rank writes its shards into a new directory of the stage's ``snapshots``
+        instead, which then replaces the previous one."""
         if self._journal is None or epoch == 0 or epoch % self._snapshot_every:
             return
         self.flush()
-        ranks = _by_rank(self._send(_Message("snapshot", replay=False)))
+        directory = self._snapshots.for_epoch(epoch) if self._snapshots is not None else None
+        ranks = _by_rank(self._send(_Message("snapshot", (directory,), replay=False)))
         spec = self._journal[0].args[0]
         resume = ResumePoint(
-            checkpoint=ranks[0].checkpoint,
+            checkpoint=directory if directory is not None else ranks[0].checkpoint,
             ranks=tuple(dataclasses.replace(snapshot, checkpoint=None) for snapshot in ranks),
         )
         self._journal = [_Message("start_stage", (dataclasses.replace(spec, resume=resume),))]
+        if self._snapshots is not None:
+            self._snapshots.keep(directory)
         self._origin = f"the snapshot at the start of epoch {epoch}"
 
     def preflight(self, spec: PreflightSpec) -> list[WorkerReport]:

@@ -102,9 +102,10 @@ class MonarchWorker(Actor):
         return self._out_of_band(lambda reader: reader.read_metrics(view), f"trainer.{view}")
 
     @endpoint
-    def snapshot(self) -> Union[RankSnapshot, WorkerFailure]:
-        """This rank's part of a recovery snapshot, where the loop is parked."""
-        return self._out_of_band(lambda reader: reader.snapshot(), "snapshot")
+    def snapshot(self, directory: Optional[str]) -> Union[RankSnapshot, WorkerFailure]:
+        """This rank's part of a recovery snapshot, where the loop is parked; for a sharded module,
+        its shards are written into ``directory``."""
+        return self._out_of_band(lambda reader: reader.snapshot(directory), "snapshot")
 
     @endpoint
     def checkpoint_state(self) -> Union[CheckpointState, WorkerFailure]:

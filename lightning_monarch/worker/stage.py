@@ -53,7 +53,8 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
     """Unpack the stage's objects, build this rank's Trainer and return its (not yet started) loop.
 
     A replacement worker (``spec.resume``) resumes from the snapshot's checkpoint, written to a
-    temporary file for Lightning's ``ckpt_path`` and removed when the stage ends.
+    temporary file for Lightning's ``ckpt_path`` and removed when the stage ends; or, for a
+    sharded module, from the snapshot's sharded checkpoint directory, given as ``ckpt_path``.
     """
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -103,7 +104,9 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
     if datamodule is not None:
         install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, around)
     ckpt_path, snapshot_file = spec.ckpt_path, None
-    if spec.resume is not None:
+    if spec.resume is not None and isinstance(spec.resume.checkpoint, str):
+        ckpt_path = spec.resume.checkpoint  # a sharded snapshot's directory, which the controller removes
+    elif spec.resume is not None:
         handle, snapshot_file = tempfile.mkstemp(prefix="lightning_monarch_snapshot_", suffix=".ckpt")
         with os.fdopen(handle, "wb") as file:
             file.write(spec.resume.checkpoint)

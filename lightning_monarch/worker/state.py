@@ -89,10 +89,15 @@ class StateReader:
         self.module.on_save_checkpoint(checkpoint)
         return checkpoint
 
-    def snapshot(self) -> RankSnapshot:
-        """This rank's part of a recovery snapshot (see ``protocol.ResumePoint``)."""
+    def snapshot(self, directory: Optional[str]) -> RankSnapshot:
+        """This rank's part of a recovery snapshot (see ``protocol.ResumePoint``). For a sharded
+        module (``directory`` given), every rank takes part in writing the checkpoint into
+        ``directory`` with its ``ModelParallelStrategy``, as Lightning's ``trainer.save_checkpoint``
+        does: each rank its shards of the module and optimizers (DCP), rank 0 the metadata."""
         checkpoint = None
-        if self._rank == 0:
+        if directory is not None:
+            self._trainer.strategy.save_checkpoint(_compat.dump_checkpoint(self._trainer), directory)
+        elif self._rank == 0:
             buffer = io.BytesIO()
             torch.save(_compat.dump_checkpoint(self._trainer), buffer)
             checkpoint = buffer.getvalue()
