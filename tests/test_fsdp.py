@@ -7,12 +7,10 @@ tolerance, not bit for bit.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
-import psutil
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -22,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monarch import MonarchStrategy
 from tests.conftest import run_ddp_reference, worker_processes
+from tests.memory import PeakRss
 from tests.models import Classifier
 from tests.parity_cases import SEED, SHARDED_CASES, TokenTransformer, run_case
 
@@ -186,30 +185,6 @@ class WideStack(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(torch.randn(4, self.width)), batch_size=1)
-
-
-class PeakRss:
-    """Samples this process's RSS in a thread while the block runs: the peak above the start."""
-
-    def __enter__(self) -> "PeakRss":
-        self._process = psutil.Process()
-        self.start = self.peak = self._process.memory_info().rss
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._done.wait(0.005):
-            self.peak = max(self.peak, self._process.memory_info().rss)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._done.set()
-        self._thread.join()
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.start
 
 
 def _controller_growth(width: int, depth: int) -> tuple[int, WideStack]:

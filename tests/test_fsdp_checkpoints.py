@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import psutil
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -20,6 +18,7 @@ from torch import nn
 
 from lightning_monarch import MonarchStrategy, cli, convert_sharded_checkpoint
 from tests.conftest import ROOT, worker_processes
+from tests.memory import PeakRss
 from tests.parity_cases import SEED, TokenTransformer, environment_for_ddp
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,30 +39,6 @@ def _model(**sizes: int) -> TokenTransformer:
     return TokenTransformer(**sizes)
 
 
-class PeakMemory:
-    """This process's peak resident memory above its level at the start, sampled every millisecond."""
-
-    def __enter__(self) -> "PeakMemory":
-        self._process = psutil.Process()
-        self.start = self.peak = self._process.memory_info().rss
-        self._stop = threading.Event()
-        self._sampler = threading.Thread(target=self._sample)
-        self._sampler.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, self._process.memory_info().rss)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._sampler.join()
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.start
-
-
 class SaveDuringFit(L.Callback):
     """A controller callback that saves a checkpoint while the workers' loops are parked, and
     measures this process's memory meanwhile."""
@@ -72,9 +47,9 @@ class SaveDuringFit(L.Callback):
         self.path = path
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        with PeakMemory() as self.memory:
+        with PeakRss() as self.memory:
             trainer.save_checkpoint(self.path)
-        with PeakMemory() as self.gather_memory:  # the measure's control: the full weights coming here
+        with PeakRss() as self.gather_memory:  # the measure's control: the full weights coming here
             trainer.strategy.gather_full_state_dict()
 
 

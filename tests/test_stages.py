@@ -49,26 +49,26 @@ def test_tensorboard_logger_gets_the_workers_scalars(tmp_path) -> None:
     assert events.Scalars("val_loss")[-1].value == pytest.approx(float(trainer.callback_metrics["val_loss"]))
 
 
-class PreparingDataModule(ClassificationDataModule):
-    """Writes a marker file per call, as a download does, in ``prepare_data``."""
+class MarksPrepareData:
+    """Writes a marker file named after its class per call of ``prepare_data``, as a download does."""
 
+    marker_dir: str
+
+    def prepare_data(self) -> None:
+        with open(os.path.join(self.marker_dir, f"{type(self).__name__}-{os.getpid()}"), "w"):
+            pass
+
+
+class PreparingDataModule(MarksPrepareData, ClassificationDataModule):
     def __init__(self, marker_dir: str) -> None:
         super().__init__()
         self.marker_dir = marker_dir
 
-    def prepare_data(self) -> None:
-        with open(os.path.join(self.marker_dir, f"datamodule-{os.getpid()}"), "w"):
-            pass
 
-
-class PreparingClassifier(DataModuleClassifier):
+class PreparingClassifier(MarksPrepareData, DataModuleClassifier):
     def __init__(self, marker_dir: str) -> None:
         super().__init__()
         self.marker_dir = marker_dir
-
-    def prepare_data(self) -> None:
-        with open(os.path.join(self.marker_dir, f"module-{os.getpid()}"), "w"):
-            pass
 
 
 def _fit(model: L.LightningModule, **kwargs: Any) -> L.Trainer:
@@ -83,7 +83,7 @@ def _fit(model: L.LightningModule, **kwargs: Any) -> L.Trainer:
 def test_prepare_data_runs_once_per_host_without_stalling_the_other_ranks(tmp_path: Path) -> None:
     # Lightning runs `prepare_data` on local rank 0 only and makes the other ranks wait in a barrier
     _fit(PreparingClassifier(str(tmp_path)), datamodule=PreparingDataModule(str(tmp_path)))
-    assert sorted(name.split("-")[0] for name in os.listdir(tmp_path)) == ["datamodule", "module"]
+    assert sorted(name.split("-")[0] for name in os.listdir(tmp_path)) == ["PreparingClassifier", "PreparingDataModule"]
 
 
 def test_a_hook_set_on_the_instance_runs_on_the_workers() -> None:
