@@ -141,7 +141,8 @@ class StageLoop:
         command = self._command
         assert isinstance(command, Advance)
         reply = self._reply(gate, full=command.wait, loaders=False)
-        if self._rank == 0 or gate == "module.predict_step":
+        if command.wait and (self._rank == 0 or gate == "module.predict_step"):
+            # only a waited reply is read: describing copies tensors to the CPU (a device sync on GPUs)
             reply.result = describe_result(gate, result, self._trainer, args)
         reply.nested = self._nested
         self._answer(reply)
@@ -167,9 +168,13 @@ class StageLoop:
             raise
         finally:
             self._depth -= 1
-        if gate in RESULT_HOOKS and self._rank == 0:
+        if gate in RESULT_HOOKS and self._rank == 0 and self._waited():
             self._nested.append((gate, describe_result(gate, result, self._trainer, args)))
         return worker_side_result(gate, result)
+
+    def _waited(self) -> bool:
+        """Whether the controller reads the reply to the command being run (L4)."""
+        return isinstance(self._command, Advance) and self._command.wait
 
     def _arrive(self, gate: str) -> None:
         """Serve messages parked in front of ``gate`` until one asks to run it."""
