@@ -37,8 +37,11 @@ StrategyRegistry.register(
     description="Single-controller training on a PyTorch Monarch worker mesh",
     override=True,
 )
+#: The registered name of ``MonarchStrategy(parallelism="fsdp")``.
+SHARDED_STRATEGY_NAME = "monarch_fsdp"
+
 StrategyRegistry.register(
-    "monarch_fsdp",
+    SHARDED_STRATEGY_NAME,
     MonarchStrategy,
     description="Single-controller training on a PyTorch Monarch worker mesh, the module sharded with FSDP2",
     override=True,
@@ -48,7 +51,7 @@ StrategyRegistry.register(
 
 def _route_gpu_to_workers(strategy: Any, accelerator: Any) -> Any:
     """Under strategy="monarch", ``accelerator="gpu"``/``"cuda"`` names the workers' GPUs."""
-    is_monarch = strategy in (MonarchStrategy.strategy_name, "monarch_fsdp") or isinstance(strategy, MonarchStrategy)
+    is_monarch = strategy in (MonarchStrategy.strategy_name, SHARDED_STRATEGY_NAME) or isinstance(strategy, MonarchStrategy)
     if is_monarch and isinstance(accelerator, str) and accelerator in ("gpu", "cuda"):
         return WorkerGPUAccelerator()
     return accelerator

@@ -37,7 +37,7 @@ import lightning_monarch
 from lightning_monarch import preflight
 from lightning_monarch.benchmark.compare import BenchmarkError, compare
 from lightning_monarch.benchmark.models import SIZES
-from lightning_monarch.protocol import VISIBILITY_VARS, versions, worker_backend
+from lightning_monarch.protocol import versions, visibility, worker_backend
 from lightning_monarch.strategy import MonarchStrategy
 
 PROG = "lightning-monarch"
@@ -80,7 +80,6 @@ def describe(devices: Devices, accelerator: str, num_nodes: int = 1,
     key = strategy.mesh_key()
     # Hosts other than this one come from `MonarchStrategy(hosts=...)`, which connects to them at
     # `Trainer(...)` time; every host runs the same local ranks.
-    strategy.num_nodes = num_nodes
     # The workers' own DDPStrategy picks Lightning's default backend for their device.
     backend = worker_backend(key.accelerator, key.process_group_backend)
     return {
@@ -90,7 +89,7 @@ def describe(devices: Devices, accelerator: str, num_nodes: int = 1,
             "name": socket.gethostname(),
             "cpus": os.cpu_count(),
             "gpus": num_cuda_devices(),
-            "visibility": {name: os.environ[name] for name in VISIBILITY_VARS if name in os.environ},
+            "visibility": visibility(os.environ),
         },
         "trainer": {
             "call": call,
@@ -98,7 +97,7 @@ def describe(devices: Devices, accelerator: str, num_nodes: int = 1,
             "process_group_backend": f"{backend} (RCCL)" if backend == "nccl" and torch.version.hip else backend,
             "num_nodes": num_nodes,
             "workers_per_host": len(key.environments),
-            "workers": strategy.num_workers,
+            "workers": len(key.environments) * num_nodes,
             "environments": [dict(environment) for environment in key.environments],
         },
     }
@@ -144,7 +143,7 @@ def _check_devices_here(accelerator: str, devices: Devices) -> None:
     if wanted <= found:
         return
     fixes = ["use --accelerator cpu"] + ([f"ask for --devices {found} or fewer"] if found else [])
-    fixes += [f"widen {name}={os.environ[name]}" for name in VISIBILITY_VARS if name in os.environ]
+    fixes += [f"widen {name}={value}" for name, value in visibility(os.environ).items()]
     if not (torch.version.cuda or torch.version.hip):
         fixes.append(f"install a CUDA or ROCm build of torch (torch {torch.__version__} is a CPU build)")
     raise UsageError(

@@ -129,7 +129,7 @@ class MonarchLauncher(_compat.Launcher):
                 f"`Trainer(profiler={type(trainer.profiler).__name__}(...))` under strategy='monarch' profiles the"
                 " controller's loop: each step's time there includes waiting for the workers, not their compute."
             )
-        sharding = strategy.sharding_for_stage(stage, trainer, module, arguments.get("ckpt_path"))
+        sharding = strategy.sharding_for_stage(module, arguments.get("ckpt_path"))
         script_dir = _script_dir()
         payload = pack_for_workers(
             {

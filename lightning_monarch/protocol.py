@@ -18,16 +18,20 @@ L3. At each gate the controller sends one :class:`Advance`. A worker runs up to 
     code on a worker is never overwritten before the controller has seen it.
 L4. Messages to one worker arrive in order. An ``Advance`` that the controller does not wait on is
     a fire-and-forget broadcast; its effects (logged values, logger calls) travel with the next
-    reply that the controller waits for. A training batch's ``optimizer_step`` is one of them when
-    only the step's outputs would come back (see ``StageSession``): the controller's loop goes on
-    with a placeholder loss, the workers compute meanwhile, and the real outputs arrive with the
-    callbacks' ``on_train_batch_end``, before any controller callback reads them. At least one
-    reply per training batch arrives before the controller decides whether to go on.
+    reply that the controller waits for, and the workers describe no result for it. A training
+    batch's ``optimizer_step`` is one of them when only the step's outputs would come back (see
+    ``StageSession``), and so is ``training_step`` while gradients accumulate: the controller's loop
+    goes on with a placeholder loss and the workers compute meanwhile. The real outputs arrive
+    with the callbacks' ``on_train_batch_end`` when a controller callback overrides it, before it
+    reads them; the batch's reply otherwise comes at the module's ``on_train_batch_end``. At least
+    one reply per training batch arrives before the controller decides whether to go on.
 L5. User hooks run on the workers only. The controller runs only Lightning's base implementation
     of a hook, fed with what the workers returned.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import socket
 import traceback
@@ -127,6 +131,11 @@ CONTROL_STATE: tuple[str, ...] = ("should_stop", "accumulate_grad_batches")
 
 #: The variables that decide which GPUs a process sees, outermost first.
 VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def visibility(environ: Mapping[str, str]) -> dict[str, str]:
+    """The device-visibility variables set in ``environ``, by name."""
+    return {name: environ[name] for name in VISIBILITY_VARS if name in environ}
 
 
 def versions() -> dict[str, Optional[str]]:

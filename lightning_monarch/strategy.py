@@ -17,7 +17,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch import Callback
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -177,7 +177,7 @@ class MonarchStrategy(ParallelStrategy):
                 f"`MonarchStrategy(step_timeout={step_timeout!r})`: give a number of seconds > 0, or None to wait"
                 " as long as a step takes."
             )
-        if not isinstance(snapshot_every_n_epochs, int) or snapshot_every_n_epochs < 1:
+        if not isinstance(snapshot_every_n_epochs, int) or isinstance(snapshot_every_n_epochs, bool) or snapshot_every_n_epochs < 1:
             raise ValueError(
                 f"`MonarchStrategy(snapshot_every_n_epochs={snapshot_every_n_epochs!r})`: give a whole number >= 1."
             )
@@ -369,8 +369,7 @@ class MonarchStrategy(ParallelStrategy):
                 self._last_sharded = self._session
         self._session = session
 
-    def sharding_for_stage(self, stage: str, trainer: Trainer, module: LightningModule,
-                           ckpt_path: Any) -> Optional[ShardingSpec]:
+    def sharding_for_stage(self, module: LightningModule, ckpt_path: Any) -> Optional[ShardingSpec]:
         """Runs on the controller, before any worker starts: how the workers shard ``module`` for
         ``trainer.<stage>(...)`` (``None`` under ``parallelism="ddp"``), once the stage is known to
         be able to run sharded."""

@@ -148,14 +148,18 @@ def _worker_sys_path_for(cwd: str, pythonpath: str) -> frozenset[str]:
     return frozenset(os.path.realpath(entry or cwd) for entry in json.loads(output))
 
 
-@functools.lru_cache(maxsize=None)
 def _worker_finds(module: str) -> bool:
     """Whether a process started as the workers are can find ``module`` although its folder is not
     on their ``sys.path``: an editable install (``pip install -e``) finds it through an import hook."""
+    return _worker_finds_package(module.split(".", 1)[0], os.getcwd(), os.environ.get("PYTHONPATH", ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _worker_finds_package(package: str, cwd: str, pythonpath: str) -> bool:
     return subprocess.run(
         [sys.executable, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)",
-         module.split(".", 1)[0]],
-        cwd=os.getcwd(), capture_output=True,
+         package],
+        cwd=cwd, capture_output=True,
     ).returncode == 0
 
 

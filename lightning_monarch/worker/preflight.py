@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_monarch.protocol import VISIBILITY_VARS, PreflightSpec, WorkerReport, versions, worker_backend
+from lightning_monarch.protocol import PreflightSpec, WorkerReport, versions, visibility, worker_backend
 
 #: AMD's RCCL usage tips: peer-to-peer between PCIe-connected GPUs needs this set to 1.
 RCCL_TIPS = "https://rocm.docs.amd.com/projects/rccl/en/latest/how-to/rccl-usage-tips.html"
@@ -35,7 +35,7 @@ def inspect_worker(spec: PreflightSpec) -> WorkerReport:
         if (theirs := spec.versions.get(name)) != mine
     ]
     device, memory = "cpu", None
-    visible = {name: os.environ[name] for name in VISIBILITY_VARS if name in os.environ}
+    visible = visibility(os.environ)
     warnings: list[str] = []
     if spec.accelerator == "cuda":
         count = torch.cuda.device_count()
