@@ -231,8 +231,7 @@ class WorkerMesh:
 
     def read_metrics(self, view: str) -> dict[str, Any]:
         """Rank 0's ``trainer.<view>``; every rank takes part, for metrics synced across ranks."""
-        self.flush()
-        return next(value for value in self._send(_Message("read_metrics", (view,))) if value is not None)
+        return self._gathered_by_rank0(_Message("read_metrics", (view,)))
 
     def read_stats(self) -> list[RankStats]:
         """Every rank's device, process and step-time stats (``worker.stats``), in rank order; a
@@ -248,17 +247,14 @@ class WorkerMesh:
         """The sharded module's full state dict: every rank gathers, rank 0's comes back. A pure
         read, never replayed on new workers."""
         self._require_shards("Gather them", "`trainer.strategy.gather_full_state_dict()`")
-        self.flush()
-        return next(state for state in self._send(_Message("full_state_dict", replay=False)) if state is not None)
+        return self._gathered_by_rank0(_Message("full_state_dict", replay=False))
 
     def save_sharded_checkpoint(self, path: str, optimizers: bool) -> dict[str, Any]:
         """Let every rank write its shards of the module's (and with ``optimizers``, the
         optimizers') state into the directory ``path``, in parallel; return rank 0's worker
         callbacks' state. Never replayed on new workers."""
         self._require_shards("Save them", "`trainer.save_checkpoint(path)`")
-        self.flush()
-        return next(state for state in self._send(_Message("save_sharded_checkpoint", (path, optimizers), replay=False))
-                    if state is not None)
+        return self._gathered_by_rank0(_Message("save_sharded_checkpoint", (path, optimizers), replay=False))
 
     def _require_shards(self, action: str, call: str) -> None:
         """Raise if this mesh, and the module's shards with it, was stopped."""
@@ -281,6 +277,12 @@ class WorkerMesh:
         """Run the worker callbacks' and module's ``on_save_checkpoint`` on rank 0; return the
         checkpoint they edited."""
         return self._call_rank0("on_save_checkpoint", checkpoint, replay=True)
+
+    def _gathered_by_rank0(self, message: _Message) -> Any:
+        """Send ``message`` to every rank after the waiting burst (each takes part, e.g. in a
+        collective) and return rank 0's answer, the only one that is not ``None``."""
+        self.flush()
+        return next(answer for answer in self._send(message) if answer is not None)
 
     def _call_rank0(self, endpoint: str, *args: Any, replay: bool = False) -> Any:
         """Call an endpoint on rank 0, after the waiting burst."""
