@@ -53,6 +53,7 @@ def _route_gpu_to_workers(strategy: Any, accelerator: Any) -> Any:
     """Under strategy="monarch", ``accelerator="gpu"``/``"cuda"`` names the workers' GPUs."""
     is_monarch = strategy in (MonarchStrategy.strategy_name, SHARDED_STRATEGY_NAME) or isinstance(strategy, MonarchStrategy)
     if is_monarch and isinstance(accelerator, str) and accelerator in ("gpu", "cuda"):
+        WorkerGPUAccelerator.check_available(accelerator)
         return WorkerGPUAccelerator()
     return accelerator
 

@@ -7,6 +7,7 @@ these, this file is the only one to change.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, Optional
 
 from lightning.fabric.utilities.data import has_len
@@ -230,6 +231,10 @@ def record_eval_epoch_metrics(trainer: Trainer, sink: Callable[[dict[str, Any]],
     connector.update_eval_epoch_metrics = recorded
 
 
+#: What torch's GradScaler says when it is built in a process without a GPU.
+_SCALER_WITHOUT_CUDA = "torch.cuda.amp.GradScaler is enabled, but CUDA is not available"
+
+
 def route_accelerator(choose: Callable[[Any, Any], Any]) -> None:
     """Let ``choose(strategy, accelerator)`` replace the ``accelerator`` flag of every new Trainer.
 
@@ -243,8 +248,14 @@ def route_accelerator(choose: Callable[[Any, Any], Any]) -> None:
 
     @functools.wraps(original)
     def __init__(self: _AcceleratorConnector, *args: Any, **kwargs: Any) -> None:
-        kwargs["accelerator"] = choose(kwargs.get("strategy", "auto"), kwargs.get("accelerator", "auto"))
-        original(self, *args, **kwargs)
+        given = kwargs.get("accelerator", "auto")
+        kwargs["accelerator"] = choose(kwargs.get("strategy", "auto"), given)
+        with warnings.catch_warnings():
+            if kwargs["accelerator"] is not given:
+                # the workers own the GPUs: the "16-mixed" scaler Lightning builds here finds none in this
+                # process, and the strategy replaces it with a mirror of the workers' own
+                warnings.filterwarnings("ignore", message=_SCALER_WITHOUT_CUDA)
+            original(self, *args, **kwargs)
 
     __init__.__lightning_monarch__ = True  # type: ignore[attr-defined]
     _AcceleratorConnector.__init__ = __init__  # type: ignore[method-assign]

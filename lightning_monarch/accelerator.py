@@ -14,6 +14,8 @@ import torch
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_monarch.devices import gpu_build
+
 
 class WorkerGPUAccelerator(Accelerator):
     """Runs on the controller: names the workers' GPUs without touching a GPU here."""
@@ -54,7 +56,21 @@ class WorkerGPUAccelerator(Accelerator):
 
     @staticmethod
     def is_available() -> bool:
-        return True
+        """Whether this process's torch is a CUDA or ROCm build. The controller needs no GPU, but the
+        workers run the controller's torch build (preflight compares their versions), and a CPU
+        build of torch cannot drive a GPU there either."""
+        return gpu_build()
+
+    @staticmethod
+    def check_available(accelerator: str) -> None:
+        """Raise, naming the fix, if GPU workers cannot run with this process's torch build."""
+        if not gpu_build():
+            raise MisconfigurationException(
+                f"`Trainer(strategy='monarch', accelerator={accelerator!r})`: this process's torch ({torch.__version__})"
+                " is a CPU-only build. The controller needs no GPU, but the workers run the same torch build as the"
+                " controller (preflight compares their versions), and a CPU build cannot use their GPUs. Install a"
+                " CUDA or ROCm build of torch here and on the workers' hosts, or use `accelerator='cpu'`."
+            )
 
     @staticmethod
     def name() -> str:

@@ -18,6 +18,7 @@ Bad input is rejected before anything starts, with the fix in the message. Exit 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ import socket
 import sys
 from functools import partial
 from importlib.metadata import version
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import lightning as L
 import torch
@@ -37,7 +38,8 @@ import lightning_monarch
 from lightning_monarch import preflight
 from lightning_monarch.benchmark.compare import BenchmarkError, compare
 from lightning_monarch.benchmark.models import SIZES
-from lightning_monarch.protocol import versions, visibility, worker_backend
+from lightning_monarch.devices import VISIBILITY_VARS, visibility
+from lightning_monarch.protocol import versions, worker_backend
 from lightning_monarch.strategy import MonarchStrategy
 
 PROG = "lightning-monarch"
@@ -66,22 +68,26 @@ def describe(devices: Devices, accelerator: str, num_nodes: int = 1,
              process_group_backend: Optional[str] = None) -> dict[str, Any]:
     """Versions, this host's devices, and what ``Trainer(strategy="monarch", ...)`` would start.
 
-    Runs in this process and starts nothing. The workers, their backend and their pinned
-    environments come from the strategy of a real Trainer built with these arguments.
+    Runs in this process and starts nothing. The workers, their backend and the GPU each is pinned
+    to come from the strategy of a real Trainer built with these arguments; on several hosts each
+    host pins its workers from its own visibility mask, so only the device indices are known here.
     """
     arguments = f"accelerator={accelerator!r}, devices={devices!r}" + (f", num_nodes={num_nodes}" if num_nodes != 1 else "")
     call = f"Trainer(strategy={_strategy_argument(process_group_backend)}, {arguments})"
     strategy = MonarchStrategy(process_group_backend=process_group_backend)
-    try:
-        L.Trainer(strategy=strategy, accelerator=accelerator, devices=devices, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False)
-    except (TypeError, ValueError) as error:  # how Lightning rejects some `devices` values
-        raise UsageError(f"`{call}`: {error}") from error
-    key = strategy.mesh_key()
     # Hosts other than this one come from `MonarchStrategy(hosts=...)`, which connects to them at
-    # `Trainer(...)` time; every host runs the same local ranks.
+    # `Trainer(...)` time; every host runs the same local ranks, each pinned from its host's own
+    # mask, so on several hosts this one's mask says nothing of theirs.
+    with _mask_of_this_host(applies=num_nodes == 1):
+        try:
+            L.Trainer(strategy=strategy, accelerator=accelerator, devices=devices, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        except (TypeError, ValueError) as error:  # how Lightning rejects some `devices` values
+            raise UsageError(f"`{call}`: {error}") from error
+        key = strategy.mesh_key()
     # The workers' own DDPStrategy picks Lightning's default backend for their device.
     backend = worker_backend(key.accelerator, key.process_group_backend)
+    pins = [dict([pin]) for pin in key.pins] if key.pins is not None and num_nodes == 1 else None
     return {
         "versions": {"python": platform.python_version(), **versions(), "torchmonarch": version("torchmonarch"),
                      "lightning_monarch": lightning_monarch.__version__},
@@ -96,11 +102,23 @@ def describe(devices: Devices, accelerator: str, num_nodes: int = 1,
             "accelerator": key.accelerator,
             "process_group_backend": f"{backend} (RCCL)" if backend == "nccl" and torch.version.hip else backend,
             "num_nodes": num_nodes,
-            "workers_per_host": len(key.environments),
-            "workers": len(key.environments) * num_nodes,
-            "environments": [dict(environment) for environment in key.environments],
+            "workers_per_host": key.per_host,
+            "workers": key.per_host * num_nodes,
+            "device_indices": list(key.gpu_indices) if key.gpu_indices is not None else None,
+            "pins": pins,
         },
     }
+
+
+@contextlib.contextmanager
+def _mask_of_this_host(applies: bool) -> Iterator[None]:
+    """This process's visibility variables, hidden while ``applies`` is false: the strategy pins the
+    workers of this host from them, and the workers of other hosts pin from their own."""
+    hidden = {} if applies else {name: os.environ.pop(name) for name in VISIBILITY_VARS if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
 
 
 def _strategy_argument(process_group_backend: Optional[str]) -> str:
@@ -126,34 +144,17 @@ def render_info(info: dict[str, Any]) -> str:
     lines += ["", f"{trainer['call']} would start",
               f"  {trainer['workers']} worker process(es) {where}",
               f"  accelerator {trainer['accelerator']}, backend {trainer['process_group_backend']}"]
-    lines.append(f"  {'local rank':<12}pinned environment")
-    for rank, environment in enumerate(trainer["environments"]):
-        pinned = " ".join(f"{name}={value}" for name, value in environment.items())
-        lines.append(f"  {rank:<12}{pinned or '- (CPU worker: no device to pin)'}")
+    lines.append(f"  {'local rank':<12}pinned to")
+    for rank in range(trainer["workers_per_host"]):
+        if trainer["device_indices"] is None:
+            pinned = "- (CPU worker: no device to pin)"
+        elif trainer["pins"] is not None:
+            pinned = " ".join(f"{name}={value}" for name, value in trainer["pins"][rank].items())
+        else:
+            pinned = f"GPU index {trainer['device_indices'][rank]} within each host's own visibility mask"
+        lines.append(f"  {rank:<12}{pinned}")
     lines += ["", f"No worker was started. `{PROG} preflight` starts them and checks each one."]
     return "\n".join(lines)
-
-
-def _check_devices_here(accelerator: str, devices: Devices) -> None:
-    """Raise ``UsageError`` if this host cannot give ``devices`` GPU workers their GPUs."""
-    if accelerator not in _GPU or devices == "auto":
-        return
-    wanted = devices if isinstance(devices, int) else max(devices, default=-1) + 1
-    found = num_cuda_devices()
-    if wanted <= found:
-        return
-    fixes = ["use --accelerator cpu"] + ([f"ask for --devices {found} or fewer"] if found else [])
-    fixes += [f"widen {name}={value}" for name, value in visibility(os.environ).items()]
-    if not (torch.version.cuda or torch.version.hip):
-        fixes.append(f"install a CUDA or ROCm build of torch (torch {torch.__version__} is a CPU build)")
-    raise UsageError(
-        f"--accelerator {accelerator} --devices {_shown(devices)} needs {wanted} GPU(s) on this host, but torch sees"
-        f" {found}. To fix it, " + ", or ".join(fixes) + "."
-    )
-
-
-def _shown(devices: Devices) -> str:
-    return ",".join(map(str, devices)) if isinstance(devices, list) else str(devices)
 
 
 def _check_count(devices: Devices) -> None:
@@ -167,8 +168,6 @@ def _info(args: argparse.Namespace) -> int:
     _check_count(args.devices)
     if args.num_nodes < 1:
         raise UsageError(f"--num-nodes {args.num_nodes}: give the number of hosts, 1 or more.")
-    if args.num_nodes == 1:  # the GPUs of other hosts cannot be counted from here
-        _check_devices_here(args.accelerator, args.devices)
     info = describe(args.devices, args.accelerator, args.num_nodes, args.process_group_backend)
     print(json.dumps(info, indent=2) if args.json else render_info(info))
     return 0
@@ -177,7 +176,6 @@ def _info(args: argparse.Namespace) -> int:
 def _preflight(args: argparse.Namespace) -> int:
     """``lightning-monarch preflight``: ``python -m lightning_monarch.preflight``, after this host's checks."""
     _check_count(args.devices)
-    _check_devices_here(args.accelerator, args.devices)
     return preflight.run(args)
 
 
@@ -186,7 +184,6 @@ def _benchmark(args: argparse.Namespace) -> int:
     _check_count(args.devices)
     if args.steps < 1 or args.reps < 1:
         raise UsageError(f"--steps {args.steps} --reps {args.reps}: give 1 or more of each (e.g. --steps 20 --reps 2).")
-    _check_devices_here(args.accelerator, args.devices)
     plan = describe(args.devices, args.accelerator)["trainer"]  # rejects what the Trainer would, before any run
     progress = partial(print, file=sys.stderr, flush=True)
     progress(f"Timing {args.steps} steps of the {args.size} model under strategy='monarch' ({plan['workers']}"

@@ -31,8 +31,6 @@ L5. User hooks run on the workers only. The controller runs only Lightning's bas
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import socket
 import traceback
 from dataclasses import dataclass, field
@@ -127,15 +125,6 @@ RANK_LOCAL_HOOKS: frozenset[str] = frozenset({"module.prepare_data", "datamodule
 #: ``Advance`` carries the controller's values and each reply rank 0's (L3). EarlyStopping sets
 #: ``should_stop``; GradientAccumulationScheduler sets ``accumulate_grad_batches``.
 CONTROL_STATE: tuple[str, ...] = ("should_stop", "accumulate_grad_batches")
-
-
-#: The variables that decide which GPUs a process sees, outermost first.
-VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
-
-
-def visibility(environ: Mapping[str, str]) -> dict[str, str]:
-    """The device-visibility variables set in ``environ``, by name."""
-    return {name: environ[name] for name in VISIBILITY_VARS if name in environ}
 
 
 def versions() -> dict[str, Optional[str]]:
@@ -434,13 +423,14 @@ class WorkerReply:
 
 @dataclass(frozen=True)
 class CheckpointState:
-    """Rank 0's model, optimizer, LR-scheduler and worker-callback state, for a checkpoint or the
-    end of a stage."""
+    """Rank 0's model, optimizer, LR-scheduler, worker-callback and precision-plugin state (the
+    gradient scaler's under ``precision="16-mixed"``), for a checkpoint or the end of a stage."""
 
     model: dict[str, Any]
     optimizers: list[dict[str, Any]]
     lr_schedulers: list[dict[str, Any]]
     callbacks: dict[str, Any]
+    precision: dict[str, Any]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch import Callback
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
@@ -35,11 +35,12 @@ from lightning_monarch.controller.checkpoints import (
     is_sharded_checkpoint,
     prepare_directory,
 )
-from lightning_monarch.controller.devices import pinned_environments
 from lightning_monarch.controller.hosts import host_mesh
+from lightning_monarch.controller.mirrors import GradScalerMirror
 from lightning_monarch.controller.output import WorkerOutput
 from lightning_monarch.controller.pool import MeshKey
 from lightning_monarch.controller.session import StageSession
+from lightning_monarch.devices import host_gpu_count, pin
 from lightning_monarch.launcher import MonarchLauncher
 from lightning_monarch.protocol import CheckpointState, RankStats, ShardingSpec
 
@@ -233,18 +234,37 @@ class MonarchStrategy(ParallelStrategy):
 
     def mesh_key(self) -> MeshKey:
         """What a warm mesh must match to run this strategy's next stage."""
-        if self.worker_accelerator == "cuda":
-            indices = [device.index or 0 for device in self.parallel_devices or ()]
-            environments = pinned_environments(indices, os.environ, rocm=torch.version.hip is not None)
-        else:
-            environments = [{} for _ in self.parallel_devices or ()]
+        devices = self.parallel_devices or ()
+        gpu_indices = tuple(device.index or 0 for device in devices) if self.worker_accelerator == "cuda" else None
         return MeshKey(
             self.worker_accelerator,
             self.process_group_backend,
             self._host_mesh,
-            tuple(tuple(sorted(environment.items())) for environment in environments),
+            len(devices),
+            gpu_indices,
+            self._pins_here(gpu_indices),
             WorkerOutput(self.aggregate_window_sec) if self._host_mesh is not None else None,
         )
+
+    def _pins_here(self, gpu_indices: Optional[tuple[int, ...]]) -> Optional[tuple[tuple[str, str], ...]]:
+        """For GPU workers on this host: the visibility variable each local rank will pin itself
+        with (``worker.process``), from this process's environment, which they inherit. A mask
+        that cannot give every worker its GPU raises here, before any worker starts."""
+        if gpu_indices is None or self._host_mesh is not None:
+            return None
+        return tuple(pin(index, os.environ, rocm=torch.version.hip is not None) for index in gpu_indices)
+
+    @ParallelStrategy.precision_plugin.setter  # type: ignore[attr-defined]
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        """Lightning's plugin for the ``precision=`` flag, made inert where it would act on this
+        process's own GPU: under ``"16-mixed"`` and ``"bf16-mixed"`` the controller's loop enters no
+        CUDA autocast (it computes nothing), and ``"16-mixed"``'s gradient scaler becomes a mirror
+        of rank 0's (``GradScalerMirror``), so that a checkpoint holds the workers' scale."""
+        if isinstance(plugin, MixedPrecision):
+            plugin.device = "cpu"
+            if plugin.scaler is not None:
+                plugin.scaler = GradScalerMirror(self._require_worker_state)
+        self._precision_plugin = plugin
 
     @property
     def sync_batchnorm(self) -> bool:
@@ -279,6 +299,7 @@ class MonarchStrategy(ParallelStrategy):
         if self.hosts is not None:
             gpus_per_host = len(self.parallel_devices or ()) if self.worker_accelerator == "cuda" else 0
             self._host_mesh = host_mesh(self.hosts, self.num_nodes, gpus_per_host, self.connect_timeout)
+        self._check_gpus_here()
         precision = self.precision_plugin
         if not type(precision).__module__.startswith("lightning.pytorch.plugins.precision"):
             raise MisconfigurationException(
@@ -286,6 +307,25 @@ class MonarchStrategy(ParallelStrategy):
                 " precision plugin from the `precision=` flag, so a custom precision plugin would not reach"
                 " them. Pass `precision='bf16-mixed'` (or another precision string) instead."
             )
+
+    def _check_gpus_here(self) -> None:
+        """GPU workers on this host need a GPU each: refuse a mask that cannot give them one, or
+        more devices than the host has (counted by NVML or AMD SMI, which initialize no GPU)."""
+        key = self.mesh_key()
+        found = host_gpu_count()
+        if key.pins is None or found is None:
+            return
+        missing = sorted({int(device) for _, device in key.pins if device.isdigit() and int(device) >= found})
+        if missing:
+            raise MisconfigurationException(
+                f"`Trainer(strategy='monarch', accelerator='gpu', devices={self._devices_argument()})` pins worker"
+                f" processes to GPU(s) {missing}, but this host has {found} GPU(s). Ask for `devices={found}` or"
+                " fewer, or give `MonarchStrategy(hosts=...)` to run the workers on other hosts."
+            )
+
+    def _devices_argument(self) -> Any:
+        indices = [device.index or 0 for device in self.parallel_devices or ()]
+        return len(indices) if indices == list(range(len(indices))) else indices
 
     # ----- one process to Lightning ----------------------------------------------------------
 
@@ -439,6 +479,12 @@ class MonarchStrategy(ParallelStrategy):
             return self._session.checkpoint_state()
         return self._last_state
 
+    def _require_worker_state(self) -> CheckpointState:
+        state = self._worker_state()
+        if state is None:
+            raise RuntimeError("The workers' optimizer and precision state is only known during or after `trainer.fit`.")
+        return state
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Rank 0's weights under ``parallelism="ddp"``. Under ``"fsdp"`` nothing: the workers write
@@ -456,10 +502,7 @@ class MonarchStrategy(ParallelStrategy):
         ``lightning_module_state_dict``."""
         if self.parallelism == "fsdp":
             return {}
-        state = self._worker_state()
-        if state is None:
-            raise RuntimeError("The workers' optimizer state is only known during or after `trainer.fit`.")
-        return state.optimizers[self.optimizers.index(optimizer)]
+        return self._require_worker_state().optimizers[self.optimizers.index(optimizer)]
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:

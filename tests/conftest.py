@@ -6,31 +6,43 @@ user's cells do; the leak check counts every other worker process as left behind
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 import lightning_monarch  # noqa: F401 - registers strategy="monarch"
 from lightning_monarch.controller.pool import MESHES
+from lightning_monarch.devices import VISIBILITY_VARS
 from tests.parity_cases import environment_for_ddp
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: Every process of this test run carries this marker in its environment, which Monarch's worker
+#: processes inherit: a worker left behind is found even after it was re-parented (its controller
+#: killed), which a search of this process's children would miss.
+RUN_MARKER = "LIGHTNING_MONARCH_TEST_RUN"
+os.environ.setdefault(RUN_MARKER, uuid.uuid4().hex)
+
+
 def worker_processes() -> list[psutil.Process]:
-    """Monarch worker processes started by this (controller) process and still running."""
-    return [process for process in psutil.Process().children(recursive=True) if "bootstrap_main" in _command(process)]
-
-
-def _command(process: psutil.Process) -> str:
-    try:
-        return " ".join(process.cmdline())
-    except (psutil.ZombieProcess, psutil.NoSuchProcess):  # ended, not yet reaped by its parent
-        return ""
+    """Monarch worker processes that this test run started (here or in a subprocess), still running."""
+    marker = os.environ[RUN_MARKER]
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(RUN_MARKER) == marker and "bootstrap_main" in " ".join(process.cmdline()):
+                found.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):  # ended, or not ours to read
+            continue
+    return found
 
 
 def stray_workers() -> list[psutil.Process]:
@@ -50,6 +62,17 @@ def no_worker_left_behind():
     for process in left:
         process.kill()
     assert not left, f"worker processes left behind: {[process.pid for process in left]}"
+
+
+@pytest.fixture
+def cuda_build(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """Stands in for a CUDA build of torch on this CPU-only build, where GPU workers are refused:
+    ``torch.version.cuda`` is set, and nothing else. The host's GPUs stay uncounted (there is no
+    NVML here), as on a login node, and no visibility variable of this process leaks in."""
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    for name in VISIBILITY_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
 
 
 def run_ddp_reference(out_dir: Path, cases: list[str]) -> Path:

@@ -54,12 +54,12 @@ def test_devices_must_be_a_positive_int(devices: Any) -> None:
         ([-1], r"strategy='monarch', accelerator='gpu', devices=\[-1\].*positive int"),
     ],
 )
-def test_gpu_devices_must_be_given_explicitly(devices: Any, match: str) -> None:
+def test_gpu_devices_must_be_given_explicitly(devices: Any, match: str, cuda_build: pytest.MonkeyPatch) -> None:
     with pytest.raises(MisconfigurationException, match=match):
         _trainer(accelerator="gpu", devices=devices)
 
 
-def test_gpu_accelerator_works_on_a_controller_without_gpu() -> None:
+def test_gpu_accelerator_works_on_a_controller_without_gpu(cuda_build: pytest.MonkeyPatch) -> None:
     trainer = _trainer(accelerator="gpu", devices=4)
     strategy = trainer.strategy
     assert isinstance(strategy, MonarchStrategy)

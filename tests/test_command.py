@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch import cli
 from lightning_monarch.benchmark.compare import Comparison
-from lightning_monarch.protocol import VISIBILITY_VARS
+from lightning_monarch.devices import VISIBILITY_VARS
 from tests.conftest import ROOT
 
 COMMAND = str(Path(sys.executable).parent / "lightning-monarch")
@@ -79,30 +79,43 @@ def test_help_lists_the_commands() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_info_json_is_what_the_trainer_would_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    # GPU workers on 2 hosts: counted and pinned from here, with no GPU on this machine
+def test_info_for_gpu_workers_needs_a_gpu_build_of_torch() -> None:
     done = subprocess.run([sys.executable, "-m", "lightning_monarch", "info", "--accelerator", "gpu", "--devices", "2",
-                           "--num-nodes", "2", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=50,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,5,6"})
-    assert done.returncode == 0, done.stderr
-    info = json.loads(done.stdout)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+                           "--num-nodes", "2", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    if torch.version.cuda or torch.version.hip:
+        pytest.skip("this torch is a GPU build")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "is a CPU-only build" in done.stderr and "Install a CUDA or ROCm build of torch" in done.stderr
+
+
+def test_info_json_is_what_the_trainer_would_start(cuda_build: pytest.MonkeyPatch) -> None:
+    cuda_build.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    info = json.loads(json.dumps(cli.describe(2, "gpu")))
     key = trainer_key(accelerator="gpu", devices=2)
-    assert info["trainer"]["environments"] == [dict(environment) for environment in key.environments]
-    assert info["trainer"]["environments"] == [{"CUDA_VISIBLE_DEVICES": "4"}, {"CUDA_VISIBLE_DEVICES": "5"}]
-    assert (info["trainer"]["workers"], info["trainer"]["workers_per_host"]) == (4, 2)
+    assert info["trainer"]["pins"] == [dict([pin]) for pin in key.pins]
+    assert info["trainer"]["pins"] == [{"CUDA_VISIBLE_DEVICES": "4"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    assert (info["trainer"]["workers"], info["trainer"]["workers_per_host"]) == (2, 2)
     assert info["trainer"]["accelerator"] == key.accelerator == "cuda"
-    assert info["trainer"]["process_group_backend"] == ("nccl (RCCL)" if torch.version.hip else "nccl")
+    assert info["trainer"]["process_group_backend"] == "nccl"
     assert info["host"]["visibility"] == {"CUDA_VISIBLE_DEVICES": "4,5,6"}
     assert info["versions"]["torch"] == torch.__version__
     assert info["versions"]["torchmonarch"] == version("torchmonarch")
+
+
+def test_info_on_several_hosts_leaves_the_pins_to_each_host(cuda_build: pytest.MonkeyPatch) -> None:
+    cuda_build.setenv("CUDA_VISIBLE_DEVICES", "4")  # this machine's mask says nothing of the other hosts'
+    info = cli.describe([0, 1], "gpu", num_nodes=2)
+    assert info["trainer"]["pins"] is None and info["trainer"]["device_indices"] == [0, 1]
+    assert (info["trainer"]["workers"], info["trainer"]["workers_per_host"]) == (4, 2)
+    assert "GPU index 1 within each host's own visibility mask" in cli.render_info(info)
 
 
 def test_info_text_for_cpu_workers(capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["info", "--accelerator", "cpu", "--devices", "2"]) == 0
     out = capsys.readouterr().out
     key = trainer_key(accelerator="cpu", devices=2)
-    assert key.environments == ((), ()) and key.accelerator == "cpu"
+    assert key.gpu_indices is None and key.per_host == 2 and key.accelerator == "cpu"
+    assert "0           - (CPU worker: no device to pin)" in out
     assert "Trainer(strategy='monarch', accelerator='cpu', devices=2) would start" in out
     assert "2 worker process(es) on this host\n  accelerator cpu, backend gloo" in out
     assert f"torchmonarch      {version('torchmonarch')}" in out
@@ -124,7 +137,7 @@ def test_info_on_rocm(monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], 
         monkeypatch.setenv(name, value)
     info = cli.describe(2, "gpu")
     key = trainer_key(accelerator="gpu", devices=2)
-    assert info["trainer"]["environments"] == [dict(environment) for environment in key.environments] == expected
+    assert info["trainer"]["pins"] == [dict([pin]) for pin in key.pins] == expected
     assert info["trainer"]["process_group_backend"] == "nccl (RCCL)"
     assert info["versions"]["hip"] == "6.3.42131"
     assert "backend nccl (RCCL)" in cli.render_info(info)
@@ -137,7 +150,7 @@ def test_info_on_rocm_rejects_two_visibility_variables(monkeypatch: pytest.Monke
     monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "0,1")
     with pytest.raises(MisconfigurationException, match="are both set"):
         cli.describe(2, "gpu")
-    assert cli.main(["info", "--accelerator", "gpu", "--devices", "2", "--num-nodes", "2"]) == 2
+    assert cli.main(["info", "--accelerator", "gpu", "--devices", "2"]) == 2
     assert "lightning-monarch info: error: HIP_VISIBLE_DEVICES='0,1' and ROCR_VISIBLE_DEVICES='0,1' are both set" in (
         capsys.readouterr().err)
 
@@ -182,9 +195,8 @@ def test_the_comparison_reports_medians_and_their_ratio() -> None:
         (["info", "--devices", "0"], "--devices 0: give the number of workers per host, 1 or more"),
         (["preflight", "--devices", "0"], "--devices 0: give the number of workers per host, 1 or more"),
         (["benchmark", "--steps", "0"], "--steps 0 --reps 2: give 1 or more of each"),
-        (["benchmark", "--accelerator", "gpu", "--devices", "1024"],
-         "--accelerator gpu --devices 1024 needs 1024 GPU(s) on this host, but torch sees"),
-        (["preflight", "--accelerator", "cuda", "--devices", "1024"], "To fix it, use --accelerator cpu"),
+        (["benchmark", "--accelerator", "gpu", "--devices", "1024"], "accelerator='gpu')`: this process's torch"),
+        (["preflight", "--accelerator", "cuda", "--devices", "1024"], "or use `accelerator='cpu'`"),
         (["info", "--accelerator", "cpu", "--devices", "0,1"], "`devices` selected with `CPUAccelerator` should be an int > 0"),
     ],
 )

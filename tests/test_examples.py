@@ -165,14 +165,19 @@ def test_cli_slurm_config_is_checked_before_submission(tmp_path: Path) -> None:
 
     Everything up to the submission runs for real: the config parses against the real signatures,
     ``MonarchStrategy(hosts=SlurmJob(...))`` is instantiated, and ``Trainer(...)`` accepts
-    ``accelerator="gpu"``, ``devices=8`` and ``num_nodes=2`` on this GPU-less controller and checks
+    ``accelerator="gpu"``, ``devices=8`` and ``num_nodes=2`` on this GPU-less controller (with a CUDA
+    build of torch, which this CPU build stands in for) and checks
     the job before submitting it (host mesh named ``hosts`` with ``num_nodes`` hosts, one task per
     node, ``gpus_per_node`` >= ``devices``). The last check, that ``sbatch`` exists, is the one
     that fails, so nothing is submitted: any other mistake in the file fails earlier, differently.
     """
+    # a CUDA build of torch, which GPU workers need, stands in for this CPU build (the only stand-in)
+    cuda_build = tmp_path / "cuda_build"
+    cuda_build.mkdir()
+    (cuda_build / "sitecustomize.py").write_text("import torch\ntorch.version.cuda = '12.8'\n")
     completed = run_script(
         ["examples/cli/main.py", "fit", "--config", "examples/cli/monarch_slurm.yaml"],
-        env={"PATH": str(tmp_path)},
+        env={"PATH": str(tmp_path), "PYTHONPATH": os.pathsep.join(filter(None, [str(cuda_build), os.environ.get("PYTHONPATH")]))},
     )
     assert completed.returncode != 0
     assert completed.stderr.rstrip().splitlines()[-1] == (

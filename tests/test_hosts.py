@@ -128,7 +128,7 @@ def slurm_job() -> Any:
     ({"gpus_per_node": 2}, "gpu", r"with SLURM's sbatch and squeue, which this machine's PATH does not have"),
 ])
 def test_a_slurm_job_missing_its_options_is_refused_before_it_is_submitted(
-    slurm_job: Any, options: dict, accelerator: str, message: str
+    slurm_job: Any, options: dict, accelerator: str, message: str, cuda_build: pytest.MonkeyPatch
 ) -> None:
     job = slurm_job({"hosts": 2}, **options)
     with pytest.raises(MisconfigurationException, match=message):

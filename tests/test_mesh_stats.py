@@ -4,8 +4,10 @@ left unchanged, stragglers named, and missing GPU tools degrading to torch's own
 from __future__ import annotations
 
 import csv
+import os
 import sys
 import time
+import types
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -15,12 +17,13 @@ from typing import Any, Iterator
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import DeviceStatsMonitor, ThroughputMonitor
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch import MeshStatsMonitor, MonarchStrategy
 from lightning_monarch.controller.mesh import WorkerMesh
-from lightning_monarch.controller.stats import warn_missing_tools
+from lightning_monarch.controller.stats import StreakWatch, memory_bound, warn_missing_tools
 from lightning_monarch.protocol import RankStats
 from lightning_monarch.worker.stats import GpuSensors
 from tests.models import Classifier, WarmupClassifier
@@ -170,16 +173,45 @@ def test_a_gpu_tool_that_cannot_be_used_degrades_to_torch_with_one_warning(
     values, missing = sensors.read()
     assert values == {}, "what torch's allocator knows: nothing, in a process without CUDA"
     assert missing is not None and reason in missing and fix in missing, missing
-    assert "Only torch's memory stats are logged" in missing
+    assert "Only torch's memory stats are logged" in missing and "memory bandwidth" in missing
     with pytest.warns(UserWarning) as recorded:
         warn_missing_tools([RankStats(rank, values, missing) for rank in (0, 1)])
     assert len(recorded) == 1 and "worker ranks [0, 1]" in str(recorded[0].message)
     assert sensors.read() == ({}, None), "later reads neither warn again nor fail"
 
 
+def test_rocm_bandwidth_is_the_busy_share_of_amdsmis_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The readings a ROCm worker logs, with amdsmi and torch's readers standing in for an MI300X
+    (5300 GB/s peak, memory controller 40% busy)."""
+    amdsmi = types.ModuleType("amdsmi")
+    amdsmi.amdsmi_get_gpu_vram_info = lambda handle: {"vram_type": 7, "vram_max_bandwidth": 5300}
+    monkeypatch.setitem(sys.modules, "amdsmi", amdsmi)
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    readings = {"utilization": 30, "memory_usage": 40, "temperature": 61, "power_draw": 512, "_get_amdsmi_handler": 0,
+                "memory_stats": {}}
+    for name, value in readings.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *args, value=value: value)
+    values, missing = GpuSensors().read()
+    assert missing is None
+    assert values == {"gpu_utilization_percent": 30.0, "memory_busy_percent": 40.0, "temperature_c": 61.0,
+                      "power_w": 512.0, "memory_bandwidth_peak_gbps": 5300.0, "memory_bandwidth_gbps": 2120.0}
+
+
+def test_a_rank_is_memory_bound_when_memory_is_busy_and_compute_is_not() -> None:
+    assert memory_bound({"memory_busy_percent": 90.0, "gpu_utilization_percent": 40.0}, 80.0)
+    assert not memory_bound({"memory_busy_percent": 90.0, "gpu_utilization_percent": 45.0}, 80.0)
+    assert not memory_bound({"memory_busy_percent": 70.0, "gpu_utilization_percent": 10.0}, 80.0)
+    assert not memory_bound({"rss_mib": 500.0}, 80.0), "a CPU worker has no such readings"
+    watch = StreakWatch(intervals=2)
+    assert [watch.update({0, 1}, {1}), watch.update({0, 1}, {1}), watch.update({0, 1}, {1})] == [[], [1], []]
+    assert [watch.update({0, 1}, set()), watch.update({0, 1}, {1}), watch.update({0, 1}, {1})] == [[], [], [1]]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
+        ({"memory_bound_percent": 0}, r"memory_bound_percent=0\)`: give the memory-controller busy percent"),
+        ({"memory_bound_percent": 101}, r"memory_bound_percent=101\)`: give"),
         ({"logging_interval": 0}, r"logging_interval=0\)`: give a whole number"),
         ({"logging_interval": "10"}, r"logging_interval='10'\)`: give a whole number"),
         ({"logging_interval": 2.5}, r"logging_interval=2.5\)`: give a whole number"),
@@ -203,3 +235,20 @@ def test_other_strategies_and_places_are_rejected(tmp_path: Path) -> None:
                            devices=2, logger=CSVLogger(tmp_path), max_epochs=1)
     with pytest.raises(MisconfigurationException, match=r"Pass it to `Trainer\(callbacks=\[MeshStatsMonitor"):
         on_workers.fit(Classifier())
+
+
+def test_lightnings_device_and_throughput_monitors_log_from_the_workers(tmp_path: Path) -> None:
+    """``DeviceStatsMonitor`` and ``ThroughputMonitor`` measure where the batches and the device are,
+    on the workers; rank 0's values reach the controller's logger. Their values are timings and
+    loads, so the measure is that they arrive as under ``ddp`` (names, steps, ranges), not parity."""
+    monitors = [DeviceStatsMonitor(cpu_stats=True), ThroughputMonitor(batch_size_fn=lambda batch: len(batch[0]))]
+    _fit(Classifier(), tmp_path, [], strategy=MonarchStrategy(worker_callbacks=monitors), max_epochs=1)
+    with open(tmp_path / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    cpu = [float(row[key]) for row in rows for key in row
+           if key.startswith("DeviceStatsMonitor.on_train_batch_start/cpu_percent") and row[key]]
+    assert len(cpu) == STEPS_PER_EPOCH // 2, "one reading per logged step (log_every_n_steps=2)"
+    assert all(0 <= value <= 100 * (os.cpu_count() or 1) for value in cpu), cpu
+    samples = [(int(row["step"]), float(row["train/samples"])) for row in rows if row.get("train/samples")]
+    # rank 0's own count: 8 samples per batch, every second batch logged
+    assert samples == [(step, 8.0 * (step + 1)) for step in range(1, STEPS_PER_EPOCH, 2)], samples

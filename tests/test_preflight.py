@@ -31,7 +31,7 @@ def test_the_command_prints_one_row_per_worker() -> None:
 
 def test_every_problem_of_every_worker_in_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(preflight, "versions", lambda: {**versions(), "torch": "1.0.0"})
-    mesh = WorkerMesh.spawn([{}, {}])
+    mesh = WorkerMesh.spawn(2)
     try:
         with pytest.raises(PreflightError) as error:
             preflight.check(mesh, "cpu", None, all_reduce_mib=1, all_reduce_limit_s=0)
@@ -45,7 +45,7 @@ def test_every_problem_of_every_worker_in_one_error(monkeypatch: pytest.MonkeyPa
 
 
 def test_a_worker_without_its_gpu_is_reported() -> None:
-    mesh = WorkerMesh.spawn([{"CUDA_VISIBLE_DEVICES": "0"}])
+    mesh = WorkerMesh.spawn(1, gpu_indices=(0,))
     try:
         with pytest.raises(PreflightError, match=r"rank 0: sees no GPU \(CUDA_VISIBLE_DEVICES=0\): more `devices` asked"
                                                  r" for than this host has, or no GPU driver here"):

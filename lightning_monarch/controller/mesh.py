@@ -6,12 +6,13 @@ device and turns worker failures into :class:`~lightning_monarch.errors.WorkerEr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import re
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
@@ -21,7 +22,7 @@ os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
 import monarch.actor  # noqa: E402
 from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # noqa: E402
-from monarch.actor import HostMesh, ProcMesh, default_bootstrap_cmd, this_host  # noqa: E402
+from monarch.actor import HostMesh, ProcMesh, this_host  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env  # noqa: E402
 
 from lightning_monarch.controller.checkpoints import SnapshotDirectory  # noqa: E402
@@ -43,6 +44,7 @@ from lightning_monarch.protocol import (  # noqa: E402
     WorkerReport,
 )
 from lightning_monarch.worker.actor import MonarchWorker  # noqa: E402
+from lightning_monarch.worker.process import LOCAL_DIMENSION, start_worker_process  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,13 @@ log = logging.getLogger(__name__)
 _STOP_TIMEOUT_S = 30.0
 #: How long an idle mesh may take to answer before the controller starts a new one instead.
 _PING_TIMEOUT_S = 5.0
+#: How long a survivor's collective error waits, with workers on other hosts, for Monarch's
+#: supervision to report the dead peer instead: a death inside a collective reaches the controller
+#: first as the survivors' gloo/NCCL error, and the report of a death on another host came 10 s
+#: after it in ``benchmarks/death_report.py``.
+_SUPERVISION_GRACE_S = 20.0
+#: What a survivor's error says when a peer of its collective is gone (gloo's and NCCL's words).
+_PEER_LOST = re.compile(r"closed by peer|reset by peer|remote worker|NCCL|RCCL|Connection refused|Broken pipe", re.I)
 
 
 def _log_fault(failure: Any) -> None:
@@ -65,6 +74,19 @@ def _log_fault(failure: Any) -> None:
 
 
 monarch.actor.unhandled_fault_hook = _log_fault
+
+
+def failed_rank(report: str) -> Optional[int]:
+    """The global rank of the worker that Monarch's supervision ``report`` names, from the point it
+    gives (``{'hosts': 1/2, 'gpus': 0/4}``): the row-major index over every dimension, which is the
+    ``RANK`` that ``setup_torch_elastic_env`` gave that process. ``None`` if it names no point."""
+    point = re.search(r"\{((?:'\w+': \d+/\d+(?:, )?)+)\}", report)
+    if point is None:
+        return None
+    rank = 0
+    for index, size in re.findall(r"'\w+': (\d+)/(\d+)", point.group(1)):
+        rank = rank * int(size) + int(index)
+    return rank
 
 
 def _by_rank(answers: list[Any]) -> list[Any]:
@@ -97,12 +119,15 @@ class WorkerMesh:
     the controller's loop never sees the failure, and no step is lost or counted twice.
     """
 
-    def __init__(self, procs: ProcMesh, hosts: HostMesh, environments: list[dict[str, str]],
+    def __init__(self, hosts: HostMesh, per_host: int, gpu_indices: Optional[tuple[int, ...]] = None,
                  output: Optional[WorkerOutput] = None) -> None:
-        self.num_workers = len(environments) * host_count(hosts)
+        """A mesh not yet started; :meth:`spawn` starts one."""
+        self.num_workers = per_host * host_count(hosts)
         self._hosts = hosts
-        self._environments = environments
+        self._per_host = per_host
+        self._gpu_indices = gpu_indices
         self._output = output
+        self._procs: Optional[ProcMesh] = None
         #: How long a message may wait for the workers before they count as hung; ``None`` waits.
         self.step_timeout: Optional[float] = None
         #: How many times this stage restarted the mesh.
@@ -112,50 +137,44 @@ class WorkerMesh:
         #: Whether ``lightning_monarch.preflight`` checked these workers.
         self.checked = False
         self._burst: list[Advance] = []
-        self._attach(procs)
+
+    @classmethod
+    def spawn(cls, per_host: int, gpu_indices: Optional[tuple[int, ...]] = None, hosts: Optional[HostMesh] = None,
+              output: Optional[WorkerOutput] = None) -> "WorkerMesh":
+        """Start, on each of ``hosts`` (by default this host), ``per_host`` worker processes, GPU
+        workers pinned to the ``devices=`` index of their local rank in ``gpu_indices``, and their
+        torch elastic environment; ``output`` forwards what workers on other hosts print."""
+        mesh = cls(hosts if hosts is not None else this_host(), per_host, gpu_indices, output)
+        mesh._start()
+        return mesh
+
+    def _start(self) -> None:
+        """On each host, ``per_host`` worker processes (the local ranks), each started by
+        ``worker.process`` as a torchrun rank, a GPU worker pinned to the ``devices=`` index of its
+        local rank; then a ``MonarchWorker`` in each, which says who it is. Workers on other hosts
+        forward their output here (``WorkerOutput``)."""
+        bootstrap = functools.partial(start_worker_process, f"lightning_monarch-{uuid.uuid4().hex[:12]}",
+                                      self._gpu_indices)
+        WorkerOutput.forward_new_processes(self._output is not None)
+        procs = self._hosts.spawn_procs(per_host={LOCAL_DIMENSION: self._per_host}, bootstrap=bootstrap)
+        try:
+            setup_torch_elastic_env(procs)
+            if self._output is not None:
+                self._output.stream(procs)
+            self._attach(procs)
+        except BaseException:
+            procs.stop().get(timeout=_STOP_TIMEOUT_S)
+            self._procs = None
+            raise
 
     def _attach(self, procs: ProcMesh) -> None:
-        self._procs: Optional[ProcMesh] = procs
+        self._procs = procs
         self._workers = procs.spawn("lightning_monarch_worker", MonarchWorker)
         self._rank0 = self._workers.slice(**dict.fromkeys(self._workers.extent.labels, 0))
         self._watch = ProcessWatch([])  # nothing to watch until the workers said who they are
         self._watch = ProcessWatch(self._gather(self._workers.process_id.stream()))
         #: Each rank's process ID, in rank order.
         self.pids = [self._watch.pids[rank] for rank in range(self.num_workers)]
-
-    @staticmethod
-    def _spawn_procs(hosts: HostMesh, environments: list[dict[str, str]], output: Optional[WorkerOutput]) -> ProcMesh:
-        """On each host, one process per entry of ``environments`` (the local ranks), each started
-        with those variables set (its GPU's visibility; see ``controller.devices``), their output
-        forwarded here if ``output`` says so."""
-        command = default_bootstrap_cmd()
-        with output.forwarding() if output is not None else contextlib.nullcontext():
-            procs = hosts.spawn_procs(
-                per_host={"gpus": len(environments)},
-                bootstrap_command=(lambda point: command.with_env(environments[point["gpus"]])) if any(environments) else None,
-            )
-            try:
-                setup_torch_elastic_env(procs)
-                if output is not None:
-                    output.stream(procs)
-            except BaseException:
-                procs.stop().get(timeout=_STOP_TIMEOUT_S)
-                raise
-        return procs
-
-    @classmethod
-    def spawn(cls, environments: list[dict[str, str]], hosts: Optional[HostMesh] = None,
-              output: Optional[WorkerOutput] = None) -> "WorkerMesh":
-        """Start, on each of ``hosts`` (by default this host), one worker process per entry of
-        ``environments`` (extra environment variables for that local rank), and their torch
-        elastic environment; ``output`` forwards what workers on other hosts print."""
-        hosts = hosts if hosts is not None else this_host()
-        procs = cls._spawn_procs(hosts, environments, output)
-        try:
-            return cls(procs, hosts, environments, output)
-        except BaseException:
-            procs.stop().get(timeout=_STOP_TIMEOUT_S)
-            raise
 
     def start_stage(self, spec: StageSpec, max_restarts: int = 0, snapshot_every_n_epochs: int = 1,
                     snapshots: Optional[SnapshotDirectory] = None) -> None:
@@ -348,7 +367,7 @@ class WorkerMesh:
     def _replace_processes(self) -> None:
         """Kill the old worker processes and start new ones in their place."""
         self.stop(kill=True)
-        self._attach(self._spawn_procs(self._hosts, self._environments, self._output))
+        self._start()
 
     def _gather(self, futures: Iterable[Any], timeout: Optional[float] = None) -> list[Any]:
         """Every rank's answer, in the order they arrive. The first failing rank raises without
@@ -358,22 +377,49 @@ class WorkerMesh:
         limit = self.step_timeout if timeout is None else timeout
         started = time.monotonic()
         values: list[Any] = []
+        pending = iter(futures)
         try:
-            for future in futures:
+            for future in pending:
                 values.append(self._check(self._wait(future, started, limit, values)))
         except SupervisionError as error:
             self._raise_if_dead()
-            rank = re.search(r"'gpus': (\d+)/", str(error))
-            who = f"Worker rank {rank.group(1)}" if rank else "A worker"
-            raise MeshFailureError(
-                f"{who} stopped answering: its process died (killed, out of memory or crashed). Monarch"
-                f" reported: {str(error).splitlines()[0]}",
-                (int(rank.group(1)),) if rank else (),
-            ) from error
-        except WorkerError:
-            self._raise_if_dead()  # a peer's death shows first as a survivor's collective error
+            raise self._died(error) from error
+        except WorkerError as error:
+            # a peer's death shows first as a survivor's collective error: on this host the process
+            # watch names it at once; on other hosts Monarch's supervision does, seconds later
+            self._raise_if_dead()
+            if not self._watch.watches_all and _PEER_LOST.search(error.failure.message):
+                self._raise_if_supervision_reports(pending)
             raise
         return values
+
+    def _raise_if_supervision_reports(self, pending: Iterable[Any]) -> None:
+        """Wait up to :data:`_SUPERVISION_GRACE_S` for the ranks that have not answered; raise
+        ``MeshFailureError`` if Monarch's supervision reports one of them dead meanwhile."""
+        deadline = time.monotonic() + _SUPERVISION_GRACE_S
+        for future in pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                future.get(timeout=left)
+            except SupervisionError as error:
+                raise self._died(error) from error
+            except TimeoutError:
+                return
+            except Exception:  # another survivor's error: the death may still be reported
+                continue
+
+    @staticmethod
+    def _died(error: Exception) -> MeshFailureError:
+        """Monarch's report of a dead worker process, as ``MeshFailureError`` naming its rank."""
+        rank = failed_rank(str(error))
+        who = f"Worker rank {rank}" if rank is not None else "A worker"
+        return MeshFailureError(
+            f"{who} stopped answering: its process died (killed, out of memory or crashed). Monarch"
+            f" reported: {str(error).splitlines()[0]}",
+            (rank,) if rank is not None else (),
+        )
 
     def _wait(self, future: Any, started: float, limit: Optional[float], answered: list[Any]) -> Any:
         """One answer; meanwhile, every :data:`~lightning_monarch.controller.watch.POLL_S`, check that

@@ -84,6 +84,26 @@ class PlateauMirror(_SchedulerState, ReduceLROnPlateau):
     """Runs on the controller: stands in for a worker's ``ReduceLROnPlateau``."""
 
 
+class GradScalerMirror(torch.amp.GradScaler):
+    """Runs on the controller: stands in for the workers' gradient scaler under ``precision="16-mixed"``.
+
+    It is disabled, so the controller's loop scales, unscales and steps nothing of its own (its
+    optimizers hold no gradients) and probes no GPU. A checkpoint takes rank 0's scaler state,
+    its scale and growth tracker, as DDP's rank 0 writes it; on resume the workers load it
+    themselves from the checkpoint file.
+    """
+
+    def __init__(self, state: StateSource) -> None:
+        super().__init__("cuda", enabled=False)
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state().precision
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The workers load their scaler's state themselves."""
+
+
 class WorkerLoaders:
     """Runs on the controller: what it knows of the workers' dataloaders, asked for when needed.
 

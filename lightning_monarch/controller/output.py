@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
-from monarch._rust_bindings.monarch_hyperactor.config import configure, get_global_config
+from monarch._rust_bindings.monarch_hyperactor.config import configure
 from monarch.actor import ProcMesh
 
 
@@ -29,17 +27,14 @@ class WorkerOutput:
     aggregate_window_sec: Optional[int]
 
     @staticmethod
-    @contextmanager
-    def forwarding() -> Iterator[None]:
-        """Monarch starts a forwarder in each worker process spawned while forwarding is on (a
-        process-wide setting); it is on only while these workers start, so that meshes on this
-        host keep printing directly, as without forwarding."""
-        previous = get_global_config().get("enable_log_forwarding", False)
-        configure(enable_log_forwarding=True)
-        try:
-            yield
-        finally:
-            configure(enable_log_forwarding=previous)
+    def forward_new_processes(enabled: bool) -> None:
+        """Whether Monarch gives the worker processes spawned from now on a log forwarder (a
+        process-wide setting). It is set before every spawn and left so: on for workers on other
+        hosts, off for meshes on this host, which print directly. Monarch attaches a process's
+        forwarder some time after the process started, once its bootstrap (which imports torch)
+        has run, and only if the setting is still on then; switched off again at once, it left the
+        workers on other hosts without one."""
+        configure(enable_log_forwarding=enabled)
 
     def stream(self, procs: ProcMesh) -> None:
         """Stream ``procs``' output to this process. ``ProcMesh.logging_option`` is a coroutine;

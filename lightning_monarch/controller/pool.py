@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from monarch.actor import HostMesh
@@ -28,18 +28,29 @@ class MeshKey:
     """What a worker process fixes for its lifetime, so a mesh is reused only when all agree.
 
     The ``torch.distributed`` process group is created by a worker's first stage and kept (as on
-    a DDP rank that runs several stages), so its backend belongs here; so do the environment
-    variables each process started with (its GPU's visibility).
+    a DDP rank that runs several stages), so its backend belongs here; so does the GPU each
+    process pinned itself to when it started.
     """
 
     accelerator: str
     process_group_backend: Optional[str]
-    #: The ``HostMesh`` the workers run on; ``None`` for this host.
-    hosts: Optional[HostMesh]
-    #: Per local rank, the extra environment variables its process starts with, as sorted items.
-    environments: tuple[tuple[tuple[str, str], ...], ...]
+    #: The ``HostMesh`` the workers run on; ``None`` for this host. Compared by identity
+    #: (:attr:`host_identity`): Monarch's own equality cannot compare a mesh with ``None``.
+    hosts: Optional[HostMesh] = field(compare=False)
+    #: Worker processes per host.
+    per_host: int
+    #: GPU workers: the ``devices=`` index of each local rank; ``None`` for CPU workers.
+    gpu_indices: Optional[tuple[int, ...]]
+    #: GPU workers on this host: each local rank's pinned visibility variable and value, which
+    #: its process computes from the environment it inherits from this one (a changed mask needs
+    #: new processes). ``None`` elsewhere: each host pins its workers from its own environment.
+    pins: Optional[tuple[tuple[str, str], ...]] = None
     #: How the output of workers on other hosts reaches the controller; ``None`` on this host.
     output: Optional[WorkerOutput] = None
+    host_identity: Optional[int] = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "host_identity", None if self.hosts is None else id(self.hosts))
 
 
 class MeshPool:
@@ -60,7 +71,7 @@ class MeshPool:
                 return mesh
             else:  # a worker that does not answer may be stuck and would not stop when asked
                 mesh.stop(kill=True)
-        return WorkerMesh.spawn([dict(environment) for environment in key.environments], key.hosts, key.output)
+        return WorkerMesh.spawn(key.per_host, key.gpu_indices, key.hosts, key.output)
 
     def release(self, key: MeshKey, mesh: WorkerMesh, keep: bool, failed: bool) -> None:
         """Take ``mesh`` back after a stage: keep it warm if ``keep`` and the stage did not fail,

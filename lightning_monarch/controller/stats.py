@@ -36,6 +36,8 @@ class MeshStatsMonitor(Callback):
     | ``cpu_utilization_percent`` | all | its CPU time over wall time since the last read; 100 is one core |
     | ``memory_allocated_mib``, ``memory_reserved_mib``, ``memory_peak_mib`` | GPU (CUDA, ROCm) | ``torch.cuda.memory_stats``: torch's allocator, HIP-backed on ROCm |
     | ``gpu_utilization_percent``, ``temperature_c``, ``power_w`` | GPU with NVML or amdsmi | NVML (``pip install nvidia-ml-py``) on NVIDIA, ``amdsmi`` on ROCm, through ``torch.cuda``'s readers |
+    | ``memory_busy_percent`` | GPU with NVML or amdsmi | ``torch.cuda.memory_usage``: the share of time the memory controller was busy (NVML's memory utilization; amdsmi's ``umc_activity``) |
+    | ``memory_bandwidth_peak_gbps``, ``memory_bandwidth_gbps`` | ROCm with amdsmi from ROCm 6.4 | amdsmi's ``vram_max_bandwidth`` (GB/s at the current memory clock), and the estimate busy percent x peak |
 
     A missing NVML or amdsmi is reported in one warning, and the rest is logged; it never fails
     the run.
@@ -53,6 +55,13 @@ class MeshStatsMonitor(Callback):
     median of the other ranks' counts one interval; after ``straggler_intervals`` such intervals
     in a row, a warning names the rank (once per streak).
 
+    **Memory-bound ranks.** A GPU rank whose memory controller is busy at least
+    ``memory_bound_percent`` of the time while its compute utilization is below half of that
+    counts one interval; after ``straggler_intervals`` such intervals in a row, a warning names the
+    rank (once per streak): its steps wait on memory traffic, not on arithmetic. The tools sample
+    over their own short period (1/6 s to 1 s on NVIDIA), so a read shows the moment it is taken;
+    a streak of reads is what makes it a pattern.
+
     **Cost.** One read of every worker per ``logging_interval`` steps, plus one at
     ``on_train_start`` (it starts the workers' step timers); nothing per step: no gate waits for
     this callback's hooks. A read goes after the step's messages, in order, and is served where
@@ -65,8 +74,10 @@ class MeshStatsMonitor(Callback):
         logging_interval: log every this many training steps; a whole number >= 1.
         straggler_factor: how many times slower than the median of the other ranks a rank must be
             to count as a straggler for an interval; a number > 1.
-        straggler_intervals: how many logging intervals in a row a rank must be that slow before
-            the warning; a whole number >= 1.
+        straggler_intervals: how many logging intervals in a row a rank must be that slow (or
+            memory-bound) before the warning; a whole number >= 1.
+        memory_bound_percent: the memory-controller busy percent from which a GPU rank whose
+            compute utilization is below half of it counts as memory-bound; a number in (0, 100].
 
     Raises:
         ValueError: for arguments outside those ranges.
@@ -82,7 +93,8 @@ class MeshStatsMonitor(Callback):
         trainer = L.Trainer(strategy="monarch", devices=8, callbacks=[MeshStatsMonitor(logging_interval=50)])
     """
 
-    def __init__(self, logging_interval: int = 50, straggler_factor: float = 1.5, straggler_intervals: int = 3) -> None:
+    def __init__(self, logging_interval: int = 50, straggler_factor: float = 1.5, straggler_intervals: int = 3,
+                 memory_bound_percent: float = 80.0) -> None:
         if not _is_count(logging_interval):
             raise ValueError(
                 f"`MeshStatsMonitor(logging_interval={logging_interval!r})`: give a whole number of training steps"
@@ -98,10 +110,20 @@ class MeshStatsMonitor(Callback):
                 f"`MeshStatsMonitor(straggler_intervals={straggler_intervals!r})`: give a whole number >= 1 of"
                 " logging intervals in a row, e.g. `straggler_intervals=3`."
             )
+        if isinstance(memory_bound_percent, bool) or not isinstance(memory_bound_percent, (int, float)) or not (
+            0 < memory_bound_percent <= 100
+        ):
+            raise ValueError(
+                f"`MeshStatsMonitor(memory_bound_percent={memory_bound_percent!r})`: give the memory-controller busy"
+                " percent from which a rank counts as memory-bound, a number in (0, 100], e.g."
+                " `memory_bound_percent=80`."
+            )
         self.logging_interval = logging_interval
         self.straggler_factor = float(straggler_factor)
         self.straggler_intervals = straggler_intervals
+        self.memory_bound_percent = float(memory_bound_percent)
         self._stragglers = StragglerWatch(self.straggler_factor, straggler_intervals)
+        self._memory_bound = StreakWatch(straggler_intervals)
         self._interval = 0
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -123,6 +145,7 @@ class MeshStatsMonitor(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stragglers = StragglerWatch(self.straggler_factor, self.straggler_intervals)
+        self._memory_bound = StreakWatch(self.straggler_intervals)
         self._interval = trainer.global_step // self.logging_interval
         # the first read starts each worker's step timer; its values are the baseline, not logged
         _read(trainer)
@@ -147,6 +170,19 @@ class MeshStatsMonitor(Callback):
                 f" Every rank waits for it at each gradient all-reduce. Compare its `mesh/rank{rank}/...` metrics"
                 " and its host's load with the other ranks'."
             )
+        bound = {rank.rank for rank in stats if memory_bound(rank.values, self.memory_bound_percent)}
+        for rank in self._memory_bound.update({rank.rank for rank in stats}, bound):
+            values = next(entry.values for entry in stats if entry.rank == rank)
+            bandwidth = (f", about {values['memory_bandwidth_gbps']:.0f} of {values['memory_bandwidth_peak_gbps']:.0f}"
+                         " GB/s" if "memory_bandwidth_gbps" in values else "")
+            rank_zero_warn(
+                f"MeshStatsMonitor: worker rank {rank} is memory-bound: its memory controller has been busy at least"
+                f" {self.memory_bound_percent:g}% of the time with compute utilization below half of that, for"
+                f" {self.straggler_intervals} logging intervals in a row ({values['memory_busy_percent']:.0f}% memory"
+                f" busy, {values['gpu_utilization_percent']:.0f}% utilization{bandwidth} at step {trainer.global_step})."
+                " Its steps wait on memory traffic: larger batches, fused kernels, `precision='bf16-mixed'` or"
+                " activation checkpointing move the balance; compare `mesh/rank{rank}/memory_busy_percent`."
+            )
 
 
 class StragglerWatch:
@@ -156,24 +192,40 @@ class StragglerWatch:
 
     def __init__(self, factor: float, intervals: int) -> None:
         self._factor = factor
-        self._intervals = intervals
-        self._streaks: dict[int, int] = {}
+        self._streaks = StreakWatch(intervals)
 
     def update(self, step_times_ms: dict[int, float]) -> list[tuple[int, float, float]]:
         """Count one read; return ``(rank, its time, the others' median)`` for each rank whose
         streak reached ``intervals`` with this read."""
-        streaks, found = {}, []
-        for rank, time_ms in step_times_ms.items():
-            others = [other for other_rank, other in step_times_ms.items() if other_rank != rank]
-            if not others:
-                continue
-            median = statistics.median(others)
-            if time_ms > self._factor * median:
-                streaks[rank] = self._streaks.get(rank, 0) + 1
-                if streaks[rank] == self._intervals:
-                    found.append((rank, time_ms, median))
-        self._streaks = streaks
-        return found
+        medians = {
+            rank: statistics.median(others)
+            for rank in step_times_ms
+            if (others := [time_ms for other, time_ms in step_times_ms.items() if other != rank])
+        }
+        slow = {rank for rank, median in medians.items() if step_times_ms[rank] > self._factor * median}
+        return [(rank, step_times_ms[rank], medians[rank]) for rank in self._streaks.update(set(step_times_ms), slow)]
+
+
+def memory_bound(values: dict[str, float], busy_percent: float) -> bool:
+    """Whether a rank's readings say memory-bound: its memory controller busy at least
+    ``busy_percent`` of the time, its compute utilization below half of that."""
+    busy, utilization = values.get("memory_busy_percent"), values.get("gpu_utilization_percent")
+    return busy is not None and utilization is not None and busy >= busy_percent and utilization < busy / 2
+
+
+class StreakWatch:
+    """Runs on the controller: per rank, how many reads in a row a condition held. A rank that a
+    read does not include, or for which the condition failed, starts again from zero."""
+
+    def __init__(self, intervals: int) -> None:
+        self._intervals = intervals
+        self._streaks: dict[int, int] = {}
+
+    def update(self, ranks: set[int], holding: set[int]) -> list[int]:
+        """Count one read of ``ranks``, where the condition held for ``holding``; return the ranks
+        whose streak reached ``intervals`` with this read."""
+        self._streaks = {rank: self._streaks.get(rank, 0) + 1 for rank in holding & ranks}
+        return sorted(rank for rank, streak in self._streaks.items() if streak == self._intervals)
 
 
 def _read(trainer: Trainer) -> list[RankStats]:

@@ -40,6 +40,11 @@ class ProcessWatch:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     process.kill()
 
+    @property
+    def watches_all(self) -> bool:
+        """Whether every worker runs on this host, where its process is watched."""
+        return len(self._processes) == len(self.pids)
+
     def dead_ranks(self) -> list[int]:
         """The ranks whose process on this host has died, in rank order."""
         return sorted(rank for rank, process in self._processes.items() if not _alive(process))

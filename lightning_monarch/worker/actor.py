@@ -69,8 +69,8 @@ class MonarchWorker(Actor):
         ``full_state_dict``)."""
         if self._stage is not None:
             self._stage.join(timeout=5.0)
-            module = self._stage.reader.module
-            self._shards = module if is_sharded(module) else None
+            module = self._stage.reader.module  # None if the stage never ran
+            self._shards = module if module is not None and is_sharded(module) else None
         self._stage = None
         gc.collect()
         if torch.cuda.is_initialized():

@@ -18,7 +18,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_monarch.protocol import PreflightSpec, WorkerReport, versions, visibility, worker_backend
+from lightning_monarch.devices import host_gpu_count, visibility
+from lightning_monarch.protocol import PreflightSpec, WorkerReport, versions, worker_backend
+from lightning_monarch.worker import process
 
 #: AMD's RCCL usage tips: peer-to-peer between PCIe-connected GPUs needs this set to 1.
 RCCL_TIPS = "https://rocm.docs.amd.com/projects/rccl/en/latest/how-to/rccl-usage-tips.html"
@@ -39,7 +41,9 @@ def inspect_worker(spec: PreflightSpec) -> WorkerReport:
     warnings: list[str] = []
     if spec.accelerator == "cuda":
         count = torch.cuda.device_count()
-        if count != 1:
+        if process.pinning_problem is not None:
+            problems.append(process.pinning_problem)
+        elif count != 1:
             problems.append(device_problem(count, visible, host_gpu_count()))
         if count:
             properties = torch.cuda.get_device_properties(0)
@@ -78,17 +82,6 @@ def device_problem(count: int, visible: Mapping[str, str], host_gpus: Optional[i
                 " `python -m lightning_monarch.preflight --accelerator gpu` on this host lists what it has")
     return (f"sees no GPU ({pinned}): this host has {host_gpus} GPU(s), fewer than `devices` asks for; use"
             f" `devices={host_gpus}` or fewer per host")
-
-
-def host_gpu_count() -> Optional[int]:
-    """How many GPUs this host has, whatever this process may see: NVML's or AMD SMI's count,
-    which ignore the visibility variables; ``None`` where neither library is installed."""
-    try:
-        counter = torch.cuda._raw_device_count_amdsmi if torch.version.hip else torch.cuda._raw_device_count_nvml
-        count = counter()
-    except (AttributeError, OSError, RuntimeError):  # an older torch, or no NVML / AMD SMI library
-        return None
-    return count if count >= 0 else None
 
 
 def rccl_warnings(environ: Mapping[str, str], kernel_cmdline: str, iommu_enabled: bool) -> list[str]:

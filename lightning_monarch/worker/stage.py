@@ -76,7 +76,7 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
 
     config = spec.trainer
     loggers, logger_calls = recording_loggers(spec.loggers)
-    # each GPU worker sees only its own device (``controller.devices``): cuda:0 on every rank
+    # each GPU worker sees only its own device (``worker.process``): cuda:0 on every rank
     parallel_devices = [torch.device("cuda", 0)] * config.devices if config.accelerator == "cuda" else None
     trainer = Trainer(
         accelerator=config.accelerator,

@@ -125,6 +125,7 @@ class StateReader:
             optimizers=[to_cpu(strategy.optimizer_state(optimizer)) for optimizer in self._trainer.optimizers],
             lr_schedulers=[to_cpu(config.scheduler.state_dict()) for config in self._trainer.lr_scheduler_configs],
             callbacks=callback_states(self._trainer),
+            precision=to_cpu(self._trainer.precision_plugin.state_dict()),
         )
 
 

@@ -7,8 +7,9 @@ the rank's Trainer, and a GPU worker tries its GPU tool on its first read. Sourc
 
 - every worker: its process's resident memory and CPU time (``psutil``), and its step times;
 - a GPU worker (CUDA, or ROCm through the same ``torch.cuda`` API): ``torch.cuda.memory_stats``,
-  HIP-backed on ROCm, and utilization, temperature and power from NVML (``nvidia-ml-py``) on
-  NVIDIA or ``amdsmi`` on ROCm where installed. Without the tool, torch's memory stats remain and
+  HIP-backed on ROCm, and utilization, memory-controller busy percent, temperature and power from
+  NVML (``nvidia-ml-py``) on NVIDIA or ``amdsmi`` on ROCm where installed; on ROCm also the VRAM's
+  peak bandwidth, and from it the bandwidth in use. Without the tool, torch's memory stats remain and
   the first read says why (:attr:`~lightning_monarch.protocol.RankStats.missing`); it never fails.
 """
 
@@ -100,7 +101,8 @@ class StepTimer(Callback):
 
 class GpuSensors:
     """Runs in each GPU worker: its GPU's memory from torch's caching allocator, and its
-    utilization, temperature and power from NVML (NVIDIA) or amdsmi (ROCm).
+    utilization, memory-controller busy percent, temperature and power from NVML (NVIDIA) or
+    amdsmi (ROCm), with amdsmi's peak VRAM bandwidth where it gives one.
 
     The tool's readings go through ``torch.cuda.utilization``, ``temperature`` and
     ``power_draw``, which map the worker's visible device to the tool's own device index (on ROCm
@@ -125,7 +127,7 @@ class GpuSensors:
             _, tool, install = _GPU_TOOLS[platform]
             fix = f" Install {install} on the workers' hosts for the rest." if isinstance(error, ImportError) else ""
             return values, (
-                f"GPU utilization, temperature and power on {platform} come from {tool}, which this worker"
+                f"GPU utilization, memory bandwidth, temperature and power on {platform} come from {tool}, which this worker"
                 f" cannot use ({type(error).__name__}: {error}). Only torch's memory stats are logged.{fix}"
             )
         return values, None
@@ -154,14 +156,30 @@ def _tool_readings(platform: str) -> dict[str, float]:
             " HIP_VISIBLE_DEVICES instead of ROCR_VISIBLE_DEVICES"
         )
     # the module behind torch's readers: a missing one raises ImportError, answered with how to install it
-    importlib.import_module(_GPU_TOOLS[platform][0])
+    tool = importlib.import_module(_GPU_TOOLS[platform][0])
     power = float(torch.cuda.power_draw())
-    return {
+    values = {
         "gpu_utilization_percent": float(torch.cuda.utilization()),
+        # NVML's memory utilization on NVIDIA, amdsmi's ``umc_activity`` (the memory controller) on ROCm
+        "memory_busy_percent": float(torch.cuda.memory_usage()),
         "temperature_c": float(torch.cuda.temperature()),
         # NVML reports milliwatts, amdsmi watts
         "power_w": power if platform == "ROCm" else power / 1e3,
     }
+    peak = _peak_bandwidth_gbps(tool) if platform == "ROCm" else None
+    if peak:
+        values["memory_bandwidth_peak_gbps"] = peak
+        values["memory_bandwidth_gbps"] = values["memory_busy_percent"] / 100 * peak
+    return values
+
+
+def _peak_bandwidth_gbps(amdsmi: Any) -> Optional[float]:
+    """The VRAM's peak bandwidth at its current memory clock in GB/s, as amdsmi gives it
+    (``vram_max_bandwidth``, from ROCm 6.4); ``None`` where this amdsmi does not. NVML gives no
+    peak bandwidth, so on NVIDIA only the busy percent is logged."""
+    info = amdsmi.amdsmi_get_gpu_vram_info(torch.cuda._get_amdsmi_handler())
+    peak = info.get("vram_max_bandwidth") if isinstance(info, dict) else None
+    return float(peak) if isinstance(peak, (int, float)) and peak > 0 else None
 
 
 class RankStatsReader:

@@ -1,0 +1,53 @@
+"""A worker process's start-up: the environment it runs every stage in.
+
+Runs once in each worker process, as Monarch's proc bootstrap (``HostMesh.spawn_procs(bootstrap=...)``),
+before any actor of ours and before anything touches a GPU. It makes the process what a
+``torchrun`` rank is, with one GPU of its own:
+
+- ``TORCHELASTIC_RUN_ID`` is set, as torchrun sets it. Monarch's ``setup_torch_elastic_env`` gives
+  the ranks (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...) but not this; Lightning reads it to know
+  that each process of an elastic launch may see one GPU only, and otherwise parses
+  ``devices=8`` against the one GPU a pinned worker sees and refuses it.
+- A GPU worker pins itself to its device (``lightning_monarch.devices.pin``), from the
+  environment its own host gave it: on this host the controller's, on a SLURM node the mask
+  SLURM set there. The process's Python interpreter stays the host's own (a ``SlurmJob``'s
+  ``python_exe``), as no bootstrap command is imposed on it.
+
+A mask that leaves this worker no GPU hides every GPU from it (it must not take another
+worker's) and keeps the reason for the preflight check to report (:data:`pinning_problem`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from monarch.actor import current_rank
+
+from lightning_monarch.devices import pin
+
+#: The variable torchrun sets for every rank of an elastic launch.
+RUN_ID_VARIABLE = "TORCHELASTIC_RUN_ID"
+#: The per-host dimension of the workers' process mesh: one process per device.
+LOCAL_DIMENSION = "gpus"
+
+#: Why this GPU worker could not be pinned to its device (``None`` when it was, or is a CPU worker).
+pinning_problem: Optional[str] = None
+
+
+def start_worker_process(run_id: str, gpu_indices: Optional[tuple[int, ...]]) -> None:
+    """Monarch's bootstrap of one worker process: the elastic run ID and, for GPU workers
+    (``gpu_indices``: the ``devices=...`` index of each local rank), the pinned device."""
+    global pinning_problem
+    os.environ[RUN_ID_VARIABLE] = run_id
+    if gpu_indices is None:
+        return
+    rocm = torch.version.hip is not None
+    try:
+        variable, device = pin(gpu_indices[current_rank()[LOCAL_DIMENSION]], os.environ, rocm)
+    except MisconfigurationException as error:
+        pinning_problem = str(error)
+        variable, device = ("HIP_VISIBLE_DEVICES" if rocm else "CUDA_VISIBLE_DEVICES"), ""
+    os.environ[variable] = device
