@@ -7,9 +7,11 @@ these, this file is the only one to change.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from typing import Any, Callable, Optional
 
+import torch
 from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
@@ -25,7 +27,9 @@ __all__ = [
     "Launcher",
     "LoggerConnector",
     "carry_fit_progress",
+    "checks_loader_lengths",
     "combined_loader_lengths",
+    "decision_caller",
     "dump_checkpoint",
     "end_restart",
     "fetched_batches",
@@ -75,7 +79,12 @@ def trainer_flags(trainer: Trainer) -> dict[str, Any]:
     """
     flags = {name: getattr(trainer, name) for name in _LOOP_FLAGS}
     algorithm = trainer.gradient_clip_algorithm
+    # ``deterministic`` and ``benchmark`` live in torch's process-wide settings, where the
+    # constructor put them (``_set_torch_flags``)
+    deterministic = torch.are_deterministic_algorithms_enabled()
     flags.update(
+        deterministic="warn" if deterministic and torch.is_deterministic_algorithms_warn_only_enabled() else deterministic,
+        benchmark=torch.backends.cudnn.benchmark,
         max_epochs=trainer.fit_loop.max_epochs,
         min_epochs=trainer.fit_loop.min_epochs,
         gradient_clip_algorithm=algorithm.value if algorithm is not None else None,
@@ -233,6 +242,24 @@ def record_eval_epoch_metrics(trainer: Trainer, sink: Callable[[dict[str, Any]],
 
 #: What torch's GradScaler says when it is built in a process without a GPU.
 _SCALER_WITHOUT_CUDA = "torch.cuda.amp.GradScaler is enabled, but CUDA is not available"
+
+
+def checks_loader_lengths() -> bool:
+    """Whether the ``strategy.reduce`` being served (the caller of this function's caller) is Lightning's
+    check that a dataloader has batches on some rank (``has_len_all_ranks``), which every worker's
+    own Lightning makes too, with a real all-reduce."""
+    frame = sys._getframe(2)
+    module = frame.f_globals.get("__name__")
+    return frame.f_code.co_name == "has_len_all_ranks" and module == "lightning.pytorch.utilities.data"
+
+
+def decision_caller() -> tuple[Any, str]:
+    """The object and the function that called the ``strategy.reduce_boolean_decision`` being
+    served (the caller of this function's caller), to tell which of Lightning's callbacks decides what:
+    ``ModelCheckpoint.file_exists`` decides on rank 0 alone (the other ranks pass ``False``);
+    ``EarlyStopping`` and ``ModelCheckpoint``'s top-k decide from the metric they monitor."""
+    frame = sys._getframe(2)
+    return frame.f_locals.get("self"), frame.f_code.co_name
 
 
 def route_accelerator(choose: Callable[[Any, Any], Any]) -> None:

@@ -434,6 +434,23 @@ class CheckpointState:
 
 
 @dataclass(frozen=True)
+class RankValue:
+    """One rank's value of something every rank has (a metric), for the controller to compare."""
+
+    rank: int
+    value: Any
+
+
+@dataclass(frozen=True)
+class ModuleAttributes:
+    """A rank's module's public Python attributes that can travel, and for every other one why it
+    cannot (its pickling error)."""
+
+    values: dict[str, Any]
+    dropped: dict[str, str]
+
+
+@dataclass(frozen=True)
 class RankStats:
     """One worker's answer to a stats read for ``MeshStatsMonitor`` (see ``worker.stats``), taken
     where its loop is parked: named values with their unit in the name (``rss_mib``,

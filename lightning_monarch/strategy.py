@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_monarch import _compat
 from lightning_monarch.accelerator import WorkerGPUAccelerator
 from lightning_monarch.controller.checkpoints import (
     METADATA_FILENAME,
@@ -365,23 +366,89 @@ class MonarchStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        """Only one controller exists, so there is nobody to wait for."""
+        """The controller is the only process of the program that calls it, so there is nobody to wait
+        for; each worker's own Lightning waits at its own barriers, among the workers."""
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank 0's ``obj`` is the controller's own (it runs the loop and its callbacks as rank 0
+        does), so broadcasting from rank 0 gives every rank, and the caller, ``obj``; the controller
+        has no other rank's value to give."""
+        if src != 0:
+            raise RuntimeError(
+                f"`trainer.strategy.broadcast(obj, src={src})` on the controller under strategy='monarch': the"
+                f" controller runs your code once, as rank 0, and has no rank {src} whose value it could take."
+                " Broadcast from rank 0 (`src=0`, which gives the value the controller already has), or run the"
+                " code on the workers, e.g. as a callback in `MonarchStrategy(worker_callbacks=[...])`."
+            )
         return obj
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
-        return tensor
+        """Rank 0's result of reducing ``tensor`` across the workers, each with its own value of it,
+        in place, as under DDP: ``tensor`` must be a value the workers sent, as it came
+        (``trainer.callback_metrics[...]``); any other raises, naming what to do instead.
+        Lightning's own check of dataloader lengths gets rank 0's length: each worker makes the same
+        check with a real all-reduce."""
+        if _compat.checks_loader_lengths():
+            return tensor
+        result = self._on_workers("reduce", tensor, group, {"reduce_op": reduce_op}, f"reduce(..., reduce_op={reduce_op!r})")
+        return tensor.copy_(result)  # in place, as DDP's reduce leaves rank 0's tensor
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
-        return tensor
+        """Rank 0's result of gathering ``tensor`` from every worker, each with its own value of it:
+        as for :meth:`reduce`, ``tensor`` must be a value the workers sent, as it came."""
+        return self._on_workers("all_gather", tensor, group, {"sync_grads": sync_grads}, "all_gather(...)")
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """What Lightning's callbacks decide on every DDP rank, combined. ``ModelCheckpoint`` checks
+        for a file on rank 0 alone, so its decision is the controller's; ``EarlyStopping`` and
+        ``ModelCheckpoint``'s top-k decide from the metric they monitor, so the controller's
+        decision (rank 0's) is every rank's when every worker holds the same value of that metric,
+        and otherwise it raises, naming the metric. Any other caller's decision cannot be known for
+        the other ranks, and raises."""
+        caller, function = _compat.decision_caller()
+        if function == "file_exists" or self._session is None:
+            return decision
+        monitor = getattr(caller, "monitor", None)
+        if not isinstance(monitor, str):
+            raise RuntimeError(
+                f"`trainer.strategy.reduce_boolean_decision(...)` called from `{type(caller).__name__}.{function}` on"
+                " the controller under strategy='monarch': the controller runs that code once, as rank 0, and"
+                " cannot know what the other ranks would decide under `ddp`. Decide from values every rank shares"
+                " (metrics logged with `sync_dist=True`) and use the decision as it is, or run the code on the"
+                " workers, e.g. as a callback in `MonarchStrategy(worker_callbacks=[...])`."
+            )
+        values = self._session.metric_on_every_rank("callback_metrics", monitor)
+        if any(not _same(value, values[0]) for value in values):
+            held = ", ".join(f"rank {rank}: {_shown(value)}" for rank, value in enumerate(values))
+            raise RuntimeError(
+                f"`{type(caller).__name__}(monitor={monitor!r})` decides on the controller from rank 0's"
+                f" `{monitor}`, and under `ddp` every rank decides from its own; but the workers hold different"
+                f" values of it ({held}), so rank 0's decision alone could differ from `ddp`'s. Log it with"
+                " `sync_dist=True` in the module's `self.log(...)` call, so that every rank holds the same value,"
+                " as Lightning recommends for a monitored metric."
+            )
         return decision
+
+    def _on_workers(self, kind: str, tensor: Any, group: Optional[Any], options: dict[str, Any], call: str) -> Any:
+        """Run the collective ``kind`` on the workers, each on its own counterpart of ``tensor``."""
+        origin = self._session.metric_origins.origin(tensor) if self._session is not None else None
+        if origin is None or group is not None:
+            what = "a process group of the controller's" if group is not None else "this tensor"
+            raise RuntimeError(
+                f"`trainer.strategy.{call}` on the controller under strategy='monarch': the controller holds one"
+                f" copy of each value, rank 0's, and {what} is not one the workers know, so no worker can take"
+                " part with its own counterpart of it. Pass a value of `trainer.callback_metrics`,"
+                " `trainer.progress_bar_metrics` or `trainer.logged_metrics` as it is (each worker then uses"
+                " its own value of that metric), log the value from the LightningModule with"
+                " `self.log(name, value, sync_dist=True)` and read it from `trainer.callback_metrics`, or run"
+                " the code on the workers, e.g. as a callback in `MonarchStrategy(worker_callbacks=[...])`."
+            )
+        view, key = origin
+        return self._session.collective(kind, view, key, options)
 
     # ----- state that lives on the workers ---------------------------------------------------
 
@@ -429,10 +496,12 @@ class MonarchStrategy(ParallelStrategy):
             if not builds_submodules:  # otherwise its full keys exist on the workers only
                 check_module_keys(ckpt_path, module, strict=module.strict_loading)
         if not self.fsdp_policy and not builds_submodules:
-            raise MisconfigurationException(
-                f"`MonarchStrategy(parallelism='fsdp')`: `{type(module).__name__}` would not be sharded: give the"
-                " classes of its repeated blocks, e.g. `MonarchStrategy(parallelism='fsdp',"
-                " fsdp_policy={nn.TransformerEncoderLayer})`, or call `fully_shard` in its `configure_model`."
+            rank_zero_warn(
+                f"`MonarchStrategy(parallelism='fsdp')` without `fsdp_policy`: `{type(module).__name__}` does not shard"
+                " itself in `configure_model`, so FSDP2 shards it as one unit (the root module), as Lightning's"
+                " `strategy='fsdp'` does without an `auto_wrap_policy`; every step then gathers all of its parameters"
+                " at once. Name the classes of its repeated blocks to shard them one by one and save memory, e.g."
+                " `MonarchStrategy(parallelism='fsdp', fsdp_policy={nn.TransformerEncoderLayer})`."
             )
         spec = ShardingSpec(
             policy=self.fsdp_policy,
@@ -517,6 +586,16 @@ class MonarchStrategy(ParallelStrategy):
         if self.parallelism == "fsdp":
             self._save_sharded_checkpoint(checkpoint, filepath, storage_options)
             return
+        writers = [type(callback).__name__ for callback in self.worker_callbacks
+                   if is_overridden("on_save_checkpoint", callback, Callback)]
+        if writers and self._session is None:
+            raise RuntimeError(
+                f"`trainer.save_checkpoint(...)` after the stage under strategy='monarch': the worker callbacks"
+                f" {writers} add to every checkpoint in `on_save_checkpoint`, which runs on the workers, and the"
+                " workers have dropped the finished stage. Save it while the stage runs, e.g. from a callback's"
+                " `on_fit_end` (`trainer.save_checkpoint(path)`), or keep `ModelCheckpoint(save_last=True)`'s"
+                " `last.ckpt`."
+            )
         state = self._worker_state()
         if state is not None and state.callbacks:
             checkpoint.setdefault("callbacks", {}).update(state.callbacks)
@@ -594,6 +673,18 @@ class MonarchStrategy(ParallelStrategy):
         undo, self._undo_on_exception = self._undo_on_exception, None
         if undo is not None:
             undo()
+
+
+def _same(value: Any, other: Any) -> bool:
+    if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor):
+        return value.shape == other.shape and torch.equal(value, other)
+    return value is None and other is None
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return f"{value.item():g}"
+    return "none" if value is None else str(value)
 
 
 def _require_sharded_checkpoint(path: Any) -> None:

@@ -4,11 +4,13 @@ logger, and checkpoint hooks. Importable by the workers and by the ``ddp`` refer
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning as L
 import torch
 import torchmetrics
+from lightning.pytorch.callbacks import BasePredictionWriter, LambdaCallback
 from torch import nn
 import torch.distributed
 from torch.utils.data import DataLoader, IterableDataset, Sampler
@@ -280,3 +282,58 @@ class OutputsRecorder(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         self.record.append({key: float(value) for key, value in outputs.items()})
+
+
+class NoOptimizerClassifier(Classifier):
+    """``configure_optimizers`` returns ``None``: Lightning trains without an optimizer, with a warning."""
+
+    def configure_optimizers(self) -> None:
+        return None
+
+
+class CollectiveReader(L.Callback):
+    """A controller callback that reduces, gathers and broadcasts a metric every rank holds its own
+    value of (``train_loss_step``, logged without ``sync_dist``), as a callback on DDP's rank 0 would."""
+
+    def __init__(self) -> None:
+        self.record: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        loss = trainer.callback_metrics["train_loss_step"]
+        self.record.append({
+            "mean": float(trainer.strategy.reduce(loss, reduce_op="mean")),
+            "sum": float(trainer.strategy.reduce(loss, reduce_op="sum")),
+            "gathered": trainer.strategy.all_gather(loss).tolist(),
+            "broadcast": trainer.strategy.broadcast(float(loss)),
+        })
+
+
+class EpochRecorder(LambdaCallback):
+    """A ``LambdaCallback`` on the controller: what it sees at every validation end."""
+
+    def __init__(self) -> None:
+        self.record: list[dict[str, Any]] = []
+        super().__init__(on_validation_end=lambda trainer, module: self.record.append(
+            {"epoch": trainer.current_epoch, "step": trainer.global_step,
+             "val_loss": float(trainer.callback_metrics["val_loss"])}))
+
+
+class GrowingDataClassifier(Classifier):
+    """A train set that grows with the epoch: ``reload_dataloaders_every_n_epochs`` shows."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(ClassificationData(64 + 16 * self.current_epoch), batch_size=8, shuffle=True)
+
+
+class RankPredictionWriter(BasePredictionWriter):
+    """Writes each rank's predictions with their dataset indices, one file per rank and batch."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(write_interval="batch")
+        self.directory = directory
+
+    def write_on_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, prediction: Any,
+                           batch_indices: Any, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        torch.save({"prediction": prediction, "indices": list(batch_indices)},
+                   os.path.join(self.directory, f"rank{trainer.global_rank}-batch{batch_idx}.pt"))

@@ -17,9 +17,11 @@ import torch
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
     EarlyStopping,
+    EMAWeightAveraging,
     GradientAccumulationScheduler,
     LearningRateMonitor,
     ModelCheckpoint,
+    ModelPruning,
 )
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
@@ -56,6 +58,11 @@ class Case:
     hosts: int = 1
     #: ``MonarchStrategy`` options that ``ddp`` has no counterpart for (``parallelism="fsdp"``).
     monarch_options: dict[str, Any] = field(default_factory=dict)
+    #: Lightning's defaults on: the progress bar and the model summary (:data:`WITH_LIGHTNINGS_DEFAULTS`).
+    defaults: bool = False
+    #: ``trainer.save_checkpoint`` after ``fit`` (``final.ckpt``); under ``monarch`` an error when a
+    #: worker callback adds to checkpoints (``tests/test_controller_callbacks.py``).
+    save_after_fit: bool = True
 
 
 CASES: dict[str, Callable[[Path], Case]] = {
@@ -114,7 +121,42 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "stop_in_step": lambda out: Case(
         compat.StepOutputsClassifier(), {"max_epochs": 3, "enable_checkpointing": False}, default_callbacks=False
     ),
+    # issue 14: what the correctness round found, and what the compatibility table claimed untested
+    "no_optimizer": lambda out: Case(compat.NoOptimizerClassifier(), default_callbacks=False),
+    "controller_collectives": lambda out: Case(models.Classifier(), {"max_epochs": 1}, [compat.CollectiveReader()]),
+    "checkpoint_every_n_steps": lambda out: Case(
+        models.Classifier(), callbacks=[ModelCheckpoint(dirpath=str(out / "steps"), every_n_train_steps=3, save_top_k=-1)]
+    ),
+    "min_epochs": lambda out: Case(
+        models.Classifier(lr=0.02), {"max_epochs": 6, "min_epochs": 3},
+        [EarlyStopping(monitor="val_loss", min_delta=0.5, patience=0)],
+    ),
+    "min_steps": lambda out: Case(
+        models.Classifier(lr=0.02), {"max_epochs": 6, "min_steps": 20},
+        [EarlyStopping(monitor="val_loss", min_delta=0.5, patience=0)],
+    ),
+    "reload_dataloaders": lambda out: Case(
+        compat.GrowingDataClassifier(), {"reload_dataloaders_every_n_epochs": 1, "max_epochs": 3}
+    ),
+    "lambda_callback": lambda out: Case(models.Classifier(), callbacks=[compat.EpochRecorder()]),
+    "ema_weights": lambda out: Case(models.Classifier(), worker_callbacks=[EMAWeightAveraging()], save_after_fit=False),
+    "pruning": lambda out: Case(
+        models.Classifier(), worker_callbacks=[ModelPruning("l1_unstructured", amount=0.3)], save_after_fit=False
+    ),
+    "prediction_writer": lambda out: Case(
+        models.Classifier(), {"max_epochs": 1}, stages=("fit", "predict"),
+        worker_callbacks=[compat.RankPredictionWriter(str(out / "predictions"))],
+    ),
 }
+
+
+#: The cases run with Lightning's defaults on (the progress bar and the model summary), as users run
+#: them: a third of :data:`CASES`, one of each kind. The others turn them off, to keep the output short.
+WITH_LIGHTNINGS_DEFAULTS = frozenset({
+    "plain", "accumulate_clip", "datamodule", "early_stopping", "manual_gan", "torchmetrics", "resume",
+    "gradient_callback", "iterable_dataset", "loop_flags", "step_outputs", "configure_callbacks", "no_optimizer",
+    "min_steps", "reload_dataloaders",
+})
 
 
 #: Cases on several hosts: their ``ddp`` reference needs its own process group size, so it runs
@@ -185,6 +227,10 @@ SHARDED_CASES: dict[str, Callable[[Path], Case]] = {
         TokenTransformer(), {"enable_checkpointing": False, "limit_val_batches": 2}, default_callbacks=False,
         monarch_options={"parallelism": "fsdp", "fsdp_policy": {nn.TransformerEncoderLayer}},
     ),
+    "fsdp_root_only": lambda out: Case(
+        TokenTransformer(), {"enable_checkpointing": False, "max_epochs": 1}, default_callbacks=False,
+        monarch_options={"parallelism": "fsdp"},
+    ),
     "fsdp_configure_model": lambda out: Case(
         SelfShardingTransformer(), {"enable_checkpointing": False, "max_epochs": 1}, default_callbacks=False,
         monarch_options={"parallelism": "fsdp"},
@@ -222,7 +268,8 @@ def _trainer(strategy: str, out_dir: Path, case: Case, hosts: Any = None, **over
         *case.callbacks,
         *(case.worker_callbacks if strategy == "ddp" else []),
     ]
-    options = dict(max_epochs=2, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2)
+    options = dict(max_epochs=2, enable_progress_bar=case.defaults, enable_model_summary=case.defaults,
+                   log_every_n_steps=2)
     return L.Trainer(
         strategy=_strategy(strategy, case, hosts),
         accelerator="cpu",
@@ -242,6 +289,7 @@ def run_case(name: str, strategy: str, out_dir: Path) -> Optional[dict[str, Any]
     out_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(SEED)
     case = {**CASES, **HOST_CASES, **SHARDED_CASES}[name](out_dir)
+    case.defaults = name in WITH_LIGHTNINGS_DEFAULTS
     if strategy == "monarch" and case.hosts > 1:
         job = ProcessJob({"hosts": case.hosts})
         try:
@@ -259,11 +307,13 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
     for stage in case.stages:
         if stage == "fit":
             trainer.fit(model, datamodule=datamodule, **case.loaders)
-            if case.trainer.get("enable_checkpointing", True):
+            if case.trainer.get("enable_checkpointing", True) and case.save_after_fit:
                 trainer.save_checkpoint(str(out_dir / "final.ckpt"))
         elif stage == "fit_more":
             trainer.fit_loop.max_epochs += 1
             trainer.fit(model, datamodule=datamodule)
+        elif stage == "predict":
+            trainer.predict(model, datamodule=datamodule, return_predictions=False)
         elif stage == "test_best":
             results["test_best"] = trainer.test(datamodule=datamodule, ckpt_path="best", verbose=False)
         elif stage == "resume":

@@ -1,15 +1,28 @@
 """Callbacks that run once, on the controller, with values from the workers: progress bars, model
-summaries and Timer; and ``torch.compile`` applied on the workers in ``configure_model``."""
+summaries and Timer; collectives a controller callback calls, and what cannot be as under ``ddp``;
+worker callbacks' checkpoint hooks; module attributes that cannot travel back; and
+``torch.compile`` applied on the workers in ``configure_model``."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    EMAWeightAveraging,
+    ModelSummary,
+    RichModelSummary,
+    RichProgressBar,
+    TQDMProgressBar,
+)
+
+from lightning_monarch import MonarchStrategy
 
 from tests.models import Classifier
 from tests.parity_cases import SEED
@@ -68,3 +81,55 @@ def test_compile_in_configure_model_runs_on_the_workers() -> None:
     assert type(model.net).__name__ == "OptimizedModule", "the controller's module has the workers' structure"
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
+
+
+class ReducesItsOwnTensor(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        trainer.strategy.reduce(torch.tensor(1.0))
+
+
+class BroadcastsFromRank1(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        trainer.strategy.broadcast("mine", src=1)
+
+
+@pytest.mark.parametrize(
+    ("callback", "match"),
+    [
+        (ReducesItsOwnTensor(), r"`trainer.strategy.reduce\(..., reduce_op='mean'\)` on the controller under"
+                                r" strategy='monarch': .* this tensor is not one the workers know"),
+        (BroadcastsFromRank1(), r"`trainer.strategy.broadcast\(obj, src=1\)` on the controller .* has no rank 1"),
+        (EarlyStopping(monitor="train_loss_epoch"), r"`EarlyStopping\(monitor='train_loss_epoch'\)` decides on the"
+                                                     r" controller from rank 0's .*\(rank 0: [\d.]+, rank 1: [\d.]+\).*`sync_dist=True`"),
+    ],
+    ids=["reduce-of-a-controller-tensor", "broadcast-from-rank-1", "early-stopping-on-an-unsynced-metric"],
+)
+def test_collectives_that_cannot_be_what_ddp_gives_raise(callback: L.Callback, match: str) -> None:
+    """What a controller callback cannot get as under ``ddp`` raises, naming the fix; what it can is
+    the parity case ``controller_collectives``."""
+    with pytest.raises(RuntimeError, match=match):
+        _fit(Classifier(), callbacks=[callback], enable_progress_bar=False, limit_train_batches=2, limit_val_batches=1)
+
+
+def test_a_checkpoint_after_the_stage_that_worker_callbacks_would_add_to_raises(tmp_path: Path) -> None:
+    trainer = _fit(Classifier(), strategy=MonarchStrategy(worker_callbacks=[EMAWeightAveraging()]),
+                   enable_progress_bar=False, limit_train_batches=2, limit_val_batches=0)
+    with pytest.raises(RuntimeError, match=r"the worker callbacks \['EMAWeightAveraging'\] add to every checkpoint"
+                                           r" in `on_save_checkpoint`.*from a callback's `on_fit_end`"):
+        trainer.save_checkpoint(tmp_path / "after.ckpt")
+
+
+class OpensAFileOnTheWorkers(Classifier):
+    def on_fit_start(self) -> None:
+        self.log_file = open(os.devnull, "w")  # noqa: SIM115 - bound to the worker process on purpose
+        self.seen_epochs = 1
+
+
+def test_module_attributes_that_cannot_travel_are_named() -> None:
+    model = OpensAFileOnTheWorkers()
+    with pytest.warns(UserWarning, match=r"`OpensAFileOnTheWorkers`: the workers' module has public attributes that"
+                                         r" cannot be pickled: `log_file` \(PicklingError: Cannot pickle files that are not"
+                                         r" opened for reading: w\)\. .*it keeps its own") as caught:
+        _fit(model, enable_progress_bar=False, limit_train_batches=2, limit_val_batches=0)
+    assert len([w for w in caught if "cannot be pickled" in str(w.message)]) == 1, "one warning, only that attribute"
+    assert model.seen_epochs == 1 and not hasattr(model, "log_file"), "the attributes that travel still do"

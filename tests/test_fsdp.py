@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_monarch import MonarchStrategy
-from tests.conftest import run_ddp_reference, worker_processes
+from tests.conftest import run_ddp_reference
 from tests.memory import PeakRss
 from tests.models import Classifier
 from tests.parity_cases import SEED, SHARDED_CASES, TokenTransformer, run_case
@@ -239,21 +239,13 @@ def test_bad_strategy_arguments(options: dict[str, Any], error: type, match: str
         MonarchStrategy(**options)
 
 
-@pytest.mark.parametrize(
-    ("model", "flags", "fit_kwargs", "match"),
-    [
-        (Classifier, {}, {}, "would not be sharded: give the classes of its repeated blocks"),
-    ],
-)
-def test_stages_that_cannot_run_sharded_fail_before_any_worker_starts(
-    model: type, flags: dict[str, Any], fit_kwargs: dict[str, Any], match: str
-) -> None:
-    policy = POLICY if model is TokenTransformer else None
-    trainer = _trainer(MonarchStrategy(parallelism="fsdp", fsdp_policy=policy, keep_warm=False), **flags)
-    workers_before = {process.pid for process in worker_processes()}
-    with pytest.raises(MisconfigurationException, match=match):
-        trainer.fit(model(), **fit_kwargs)
-    assert {process.pid for process in worker_processes()} == workers_before
+def test_a_module_without_policy_is_sharded_whole_with_one_warning(tmp_path: Path) -> None:
+    """What Lightning's ``strategy="fsdp"`` does without an ``auto_wrap_policy``; it trains as ``ddp``
+    in ``test_sharded_training_matches_ddp[fsdp_root_only]``."""
+    with pytest.warns(UserWarning, match=r"without `fsdp_policy`: `Classifier` does not shard itself in"
+                                         r" `configure_model`, so FSDP2 shards it as one unit") as caught:
+        _trainer(MonarchStrategy(parallelism="fsdp")).fit(Classifier())
+    assert len([w for w in caught if "without `fsdp_policy`" in str(w.message)]) == 1
 
 
 def test_registered_name() -> None:

@@ -24,6 +24,10 @@ def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_ddp_reference(tmp_path_factory.mktemp("ddp"), list(CASES))
 
 
+def _files(root: Path, pattern: str) -> list[str]:
+    return sorted(str(path.relative_to(root)) for path in root.glob(pattern))
+
+
 def assert_same(ours: Any, reference: Any, where: str = "") -> None:
     """Recursive equality, tensors compared bitwise."""
     if isinstance(reference, torch.Tensor):
@@ -47,11 +51,15 @@ def test_same_results_as_ddp(case: str, ddp_results: Path, tmp_path: Path) -> No
     reference = torch.load(ddp_results / case / "results.pt", weights_only=False)
     assert ours is not None
     assert_same(ours, reference, case)
-    for name in ("final.ckpt", "checkpoints/last.ckpt"):
-        assert (tmp_path / name).exists() == (ddp_results / case / name).exists(), name
-        if (ddp_results / case / name).exists():
-            assert_same(comparable_checkpoint(tmp_path / name), comparable_checkpoint(ddp_results / case / name), name)
-    max_epochs = {"early_stopping": 8, "configure_callbacks": 6}
+    written = _files(tmp_path, "**/*.ckpt")
+    assert written == _files(ddp_results / case, "**/*.ckpt")
+    for name in written:
+        assert_same(comparable_checkpoint(tmp_path / name), comparable_checkpoint(ddp_results / case / name), name)
+    predictions = _files(tmp_path, "predictions/*.pt")
+    assert predictions == _files(ddp_results / case, "predictions/*.pt")
+    for name in predictions:
+        assert_same(torch.load(tmp_path / name), torch.load(ddp_results / case / name), name)
+    max_epochs = {"early_stopping": 8, "configure_callbacks": 6, "min_epochs": 6, "min_steps": 6}
     if case in max_epochs:
         assert ours["current_epoch"] < max_epochs[case], "EarlyStopping on the controller stopped the workers early"
     if case == "hooks":

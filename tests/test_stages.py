@@ -100,3 +100,21 @@ def test_a_hook_set_on_the_instance_runs_on_the_workers() -> None:
     _fit(defined)
     assert all(torch.equal(a, b) for a, b in zip(patched.state_dict().values(), defined.state_dict().values()))
     assert "configure_optimizers" in vars(patched)  # put back as the user set it
+
+
+class RecordsTorchFlags(Classifier):
+    def on_fit_start(self) -> None:
+        self.seen_flags = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
+
+
+@pytest.mark.parametrize(("flags", "expected"), [({"deterministic": True}, (True, False)), ({"benchmark": True}, (False, True))])
+def test_deterministic_and_benchmark_reach_the_workers(flags: dict, expected: tuple) -> None:
+    model = RecordsTorchFlags()
+    try:
+        L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=1, limit_val_batches=0,
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  **flags).fit(model)
+    finally:  # the Trainer set them in this process too
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.benchmark = False
+    assert model.seen_flags == expected

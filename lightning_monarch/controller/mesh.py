@@ -34,9 +34,11 @@ from lightning_monarch.protocol import (  # noqa: E402
     Advance,
     CheckpointState,
     Finish,
+    ModuleAttributes,
     Peek,
     PreflightSpec,
     RankStats,
+    RankValue,
     ResumePoint,
     StageSpec,
     WorkerFailure,
@@ -252,6 +254,16 @@ class WorkerMesh:
         """Rank 0's ``trainer.<view>``; every rank takes part, for metrics synced across ranks."""
         return self._gathered_by_rank0(_Message("read_metrics", (view,)))
 
+    def collective(self, kind: str, view: str, key: str, options: dict[str, Any]) -> Any:
+        """Let every rank run ``trainer.strategy.<kind>(trainer.<view>[key], **options)`` on its own
+        value; rank 0's result."""
+        return self._gathered_by_rank0(_Message("collective", (kind, view, key, options)))
+
+    def metric_on_every_rank(self, view: str, key: str) -> list[RankValue]:
+        """Every rank's ``trainer.<view>[key]``, in rank order."""
+        self.flush()
+        return _by_rank(self._send(_Message("metric", (view, key))))
+
     def read_stats(self) -> list[RankStats]:
         """Every rank's device, process and step-time stats (``worker.stats``), in rank order; a
         pure read, never replayed on new workers."""
@@ -284,8 +296,8 @@ class WorkerMesh:
                 f" other devices). {action} while the stage runs, e.g. in a callback's `on_fit_end`: {call}."
             )
 
-    def module_attributes(self) -> dict[str, Any]:
-        """Rank 0's module's public Python attributes."""
+    def module_attributes(self) -> ModuleAttributes:
+        """Rank 0's module's public Python attributes, and why any others cannot travel."""
         return self._call_rank0("module_attributes")
 
     def module_children(self) -> dict[str, Any]:

@@ -9,7 +9,11 @@ DDP's rank 0 would.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+import functools
+import weakref
+from typing import Any, Callable, Optional, Protocol
+
+import torch
 
 from lightning.pytorch import Trainer
 
@@ -52,6 +56,33 @@ class _MirroredLoggerConnector(_compat.LoggerConnector):
 
     def log_eval_end_metrics(self, metrics: dict[str, Any]) -> None:
         """The workers' own call reaches the controller's loggers through the recording logger."""
+
+
+class MetricOrigins:
+    """Runs on the controller: which metric each tensor the workers' metric views sent stands for.
+
+    Under DDP a callback on every rank holds its own value of ``trainer.callback_metrics["loss"]``;
+    the controller holds rank 0's. A collective on one of these tensors can therefore run where
+    all its counterparts live, on the workers (``MonarchStrategy.reduce``), while a tensor made on
+    the controller has no counterpart anywhere. Entries go when their tensor does.
+    """
+
+    def __init__(self) -> None:
+        self._origins: dict[int, tuple[weakref.ref, str, str]] = {}
+
+    def remember(self, view: str, values: dict[str, Any]) -> None:
+        """The values rank 0 sent for ``trainer.<view>``, by key."""
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                forget = functools.partial(self._origins.pop, id(value), None)
+                self._origins[id(value)] = (weakref.ref(value, lambda _, forget=forget: forget()), view, key)
+
+    def origin(self, tensor: Any) -> Optional[tuple[str, str]]:
+        """``(view, key)`` of a tensor the workers sent, as it was sent; ``None`` for any other."""
+        entry = self._origins.get(id(tensor))
+        if entry is None or entry[0]() is not tensor:
+            return None
+        return entry[1], entry[2]
 
 
 def mirror_metrics(trainer: Trainer, source: MetricsSource) -> Callable[[], None]:

@@ -15,13 +15,14 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_monarch import _compat
 from lightning_monarch.controller.callbacks import READS_WORKERS_ITSELF, check_controller_callbacks
-from lightning_monarch.controller.metrics import mirror_metrics
+from lightning_monarch.controller.metrics import MetricOrigins, mirror_metrics
 from lightning_monarch.controller.mesh import WorkerMesh
-from lightning_monarch.controller.mirrors import WorkerLoaders, optimizer_mirrors, plan_loaders
+from lightning_monarch.controller.mirrors import OptimizerMirror, WorkerLoaders, optimizer_mirrors, plan_loaders
 from lightning_monarch.controller.predictions import PredictionCollector
 from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.protocol import (
@@ -80,6 +81,8 @@ class StageSession:
         self._state: Optional[tuple[int, CheckpointState]] = None
         self.loaders = WorkerLoaders(self.peek)
         self.predictions = PredictionCollector()
+        #: Which metric each tensor of the controller's metric views stands for.
+        self.metric_origins = MetricOrigins()
         self.final_state: Optional[CheckpointState] = None
 
     @contextmanager
@@ -247,7 +250,8 @@ class StageSession:
             if call.method == "log_metrics":
                 logger.save()
         for mirror, groups in zip(trainer.optimizers, reply.param_groups or ()):
-            mirror.update_hyperparameters(groups)
+            if isinstance(mirror, OptimizerMirror):  # not Lightning's stand-in when there is no optimizer
+                mirror.update_hyperparameters(groups)
         if reply.manual_steps is not None:
             _compat.manual_step_progress(trainer).load_state_dict(reply.manual_steps)
         self._eval_outputs.extend(reply.eval_outputs)
@@ -273,7 +277,18 @@ class StageSession:
 
     def read_metrics(self, view: str) -> dict[str, Any]:
         """Rank 0's ``trainer.<view>`` at the point both loops have reached."""
-        return self._mesh.read_metrics(view)
+        values = self._mesh.read_metrics(view)
+        self.metric_origins.remember(view, values)
+        return values
+
+    def collective(self, kind: str, view: str, key: str, options: dict[str, Any]) -> Any:
+        """``trainer.strategy.<kind>`` run by every worker on its own ``trainer.<view>[key]``, where
+        both loops have reached; rank 0's result."""
+        return self._mesh.collective(kind, view, key, options)
+
+    def metric_on_every_rank(self, view: str, key: str) -> list[Any]:
+        """Every rank's ``trainer.<view>[key]``, in rank order, where both loops have reached."""
+        return [answer.value for answer in self._mesh.metric_on_every_rank(view, key)]
 
     def read_stats(self) -> list[RankStats]:
         """Every rank's stats (``worker.stats``) at the point both loops have reached, in rank order."""
@@ -313,7 +328,16 @@ class StageSession:
         for view in METRIC_VIEWS:
             getattr(self._trainer, view)
         module = self._objects["module"]
-        vars(module).update(self._mesh.module_attributes())
+        attributes = self._mesh.module_attributes()
+        vars(module).update(attributes.values)
+        if attributes.dropped:
+            reasons = "; ".join(f"`{name}` ({why})" for name, why in sorted(attributes.dropped.items()))
+            rank_zero_warn(
+                f"`{type(module).__name__}`: the workers' module has public attributes that cannot be pickled:"
+                f" {reasons}. After the stage, the controller's module takes rank 0's public attributes, as"
+                " the module of a `ddp` script's rank 0 would have them, but not these: it keeps its own. Make"
+                " them picklable, or keep them out of the public attributes (a name that starts with `_`)."
+            )
         if trained and self._sharded:
             module.to("meta")
         elif trained:

@@ -19,10 +19,12 @@ from lightning_monarch.protocol import (
     Advance,
     CheckpointState,
     Finish,
+    ModuleAttributes,
     Peek,
     PreflightSpec,
     RankSnapshot,
     RankStats,
+    RankValue,
     StageSpec,
     WorkerFailure,
     WorkerReply,
@@ -102,6 +104,17 @@ class MonarchWorker(Actor):
         return self._out_of_band(lambda reader: reader.read_metrics(view), f"trainer.{view}")
 
     @endpoint
+    def collective(self, kind: str, view: str, key: str, options: dict[str, Any]) -> Any:
+        """Run a collective on this rank's own ``trainer.<view>[key]`` where the loop is parked (all
+        ranks; rank 0's result returns): the controller's callback passed rank 0's value of it."""
+        return self._out_of_band(lambda reader: reader.collective(kind, view, key, options), f"trainer.strategy.{kind}")
+
+    @endpoint
+    def metric(self, view: str, key: str) -> Union[RankValue, WorkerFailure]:
+        """This rank's ``trainer.<view>[key]`` where the loop is parked."""
+        return self._out_of_band(lambda reader: reader.metric(view, key), f"trainer.{view}[{key!r}]")
+
+    @endpoint
     def snapshot(self, directory: Optional[str]) -> Union[RankSnapshot, WorkerFailure]:
         """This rank's part of a recovery snapshot, where the loop is parked; for a sharded module,
         its shards are written into ``directory``."""
@@ -138,7 +151,7 @@ class MonarchWorker(Actor):
         return self._out_of_band(lambda reader: fn(reader.module), what)
 
     @endpoint
-    def module_attributes(self) -> Union[dict[str, Any], WorkerFailure]:
+    def module_attributes(self) -> Union[ModuleAttributes, WorkerFailure]:
         """The public Python attributes of this rank's module (see ``StateReader``)."""
         return self._out_of_band(lambda reader: reader.module_attributes(), "module attributes")
 

@@ -15,7 +15,15 @@ from lightning.pytorch import Trainer
 
 from lightning_monarch import _compat
 from lightning_monarch.gates import GateCallback
-from lightning_monarch.protocol import METRIC_VIEWS, CheckpointState, LoggerCall, RankSnapshot, WorkerReply
+from lightning_monarch.protocol import (
+    METRIC_VIEWS,
+    CheckpointState,
+    LoggerCall,
+    ModuleAttributes,
+    RankSnapshot,
+    RankValue,
+    WorkerReply,
+)
 from lightning_monarch.worker.describe import param_group_hyperparameters, to_cpu
 
 
@@ -61,20 +69,33 @@ class StateReader:
         values = getattr(self._trainer, view)
         return to_cpu(dict(values)) if self._rank == 0 else None
 
-    def module_attributes(self) -> dict[str, Any]:
+    def collective(self, kind: str, view: str, key: str, options: dict[str, Any]) -> Any:
+        """Run ``trainer.strategy.<kind>`` (``reduce`` or ``all_gather``) on this rank's own
+        ``trainer.<view>[key]``: what a callback on each DDP rank does when it passes that value.
+        Every rank takes part; rank 0's result returns."""
+        result = getattr(self._trainer.strategy, kind)(getattr(self._trainer, view)[key], **options)
+        return to_cpu(result) if self._rank == 0 else None
+
+    def metric(self, view: str, key: str) -> RankValue:
+        """This rank's ``trainer.<view>[key]`` (``None`` if it has none)."""
+        return RankValue(self._rank, to_cpu(getattr(self._trainer, view).get(key)))
+
+    def module_attributes(self) -> ModuleAttributes:
         """The module's public Python attributes (counters, lists, tensors that are not buffers)
         that can travel: after a stage, the controller's module takes rank 0's, as the module in a
-        DDP script's rank 0 would have them."""
-        attributes = {}
+        DDP script's rank 0 would have them. One created on the worker and bound to it (a file, a
+        lock) stays there, and the controller is told which and why."""
+        values, dropped = {}, {}
         for name, value in vars(self.module).items():
-            if name.startswith("_") or name == "training":
+            if name.startswith("_") or name == "training" or _bound_here(value, self.module):
                 continue
             try:
                 cloudpickle.dumps(value)
-            except Exception:  # created on the worker and bound to it (a file, a lock): stays there
+            except Exception as error:
+                dropped[name] = f"{type(error).__name__}: {error}"
                 continue
-            attributes[name] = to_cpu(value)
-        return attributes
+            values[name] = to_cpu(value)
+        return ModuleAttributes(values, dropped)
 
     def module_children(self) -> dict[str, Any]:
         """The module's direct submodules (on CPU after the stage's teardown): the controller takes
@@ -87,7 +108,7 @@ class StateReader:
         for callback in worker_callbacks(self._trainer):
             callback.on_save_checkpoint(self._trainer, self.module, checkpoint)
         self.module.on_save_checkpoint(checkpoint)
-        return checkpoint
+        return to_cpu(checkpoint)  # what a GPU worker's hooks add must load where the controller has no GPU
 
     def snapshot(self, directory: Optional[str]) -> RankSnapshot:
         """This rank's part of a recovery snapshot (see ``protocol.ResumePoint``). For a sharded
@@ -104,7 +125,7 @@ class StateReader:
         return RankSnapshot(
             rank=self._rank,
             rng=_compat.rng_states(),
-            attributes=self.module_attributes(),
+            attributes=self.module_attributes().values,
             metrics=to_cpu(_compat.stored_metrics(self._trainer)),
             checkpoint=checkpoint,
         )
@@ -118,7 +139,7 @@ class StateReader:
         _compat.restore_stored_metrics(self._trainer, snapshot.metrics)
 
     def checkpoint_state(self) -> CheckpointState:
-        """The model, optimizer and LR-scheduler state that a DDP rank 0 would put in a checkpoint."""
+        """The model, optimizer, LR-scheduler and precision state that a DDP rank 0 would put in a checkpoint."""
         strategy = self._trainer.strategy
         return CheckpointState(
             model=to_cpu(strategy.lightning_module_state_dict()),
@@ -127,6 +148,12 @@ class StateReader:
             callbacks=callback_states(self._trainer),
             precision=to_cpu(self._trainer.precision_plugin.state_dict()),
         )
+
+
+def _bound_here(value: Any, module: Any) -> bool:
+    """Whether an attribute of ``module`` is no state of its own: a method bound to it (Lightning
+    sets ``forward`` so) or a gate on one of its hooks (``gates``)."""
+    return getattr(value, "__self__", None) is module or getattr(value, "_lightning_monarch_gate", False)
 
 
 def worker_callbacks(trainer: Trainer) -> list[Any]:
