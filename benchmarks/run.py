@@ -1,10 +1,10 @@
-"""The benchmark suite: every mode on every model size, side by side in one run.
+"""The benchmark suite: every mode on every model size and scenario, side by side in one run.
 
     python -m benchmarks.run [--quick] [--reps 2]
 
 Runs ``benchmarks.run_one`` in fresh processes, alternating the modes (A B C D, A B C D, ...)
-so that machine noise hits them alike, and reports medians and monarch/ddp ratios. Writes
-``benchmarks/results/latest.json``, ``latest.md`` and ``latest.png``.
+so that machine noise hits them alike, and reports medians and monarch/ddp ratios against the
+targets of issue 15. Writes ``benchmarks/results/latest.json``, ``latest.md`` and ``latest.png``.
 """
 
 from __future__ import annotations
@@ -16,25 +16,55 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("monarch", "ddp", "ddp_spawn", "torch")
-#: Training steps per size: enough steady-state steps for a stable median.
+#: Training steps per size: enough steady-state steps for a stable figure.
 STEPS = {"small": 200, "medium": 60, "large": 25}
-METRICS = ("step_ms", "first_step_s", "warm_first_step_s", "controller_peak_rss_mib", "worker_peak_rss_mib", "validate_samples_per_s",
-           "predict_samples_per_s")
+STEADY_METRICS = ("step_ms", "first_step_s", "warm_first_step_s", "controller_peak_rss_mib", "worker_peak_rss_mib",
+                  "validate_samples_per_s", "predict_samples_per_s")
+#: The workers the controller's CPU time per batch is measured with.
+CONTROLLER_CPU_DEVICES = (2, 4, 8)
 
 
-def run_one(mode: str, size: str, steps: int, attempts: int = 2) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Measure:
+    """One row of the result table: a monarch/ddp ratio (higher is better for monarch), from one
+    scenario's metric, and the target it is held against."""
+
+    name: str
+    scenario: str
+    size: str
+    metric: str
+    #: ``True``: the metric is a time (ddp's over monarch's); ``False``: a rate (monarch's over ddp's).
+    is_time: bool
+    target: float
+
+
+MEASURES = [
+    *(Measure(f"whole fit with Lightning's defaults, {size}", "defaults", size, "fit_s", True, target)
+      for size, target in (("small", 0.85), ("medium", 0.95))),
+    *(Measure(f"steady training throughput, {size}", "steady", size, "step_ms", True, target)
+      for size, target in (("small", 0.80), ("medium", 0.98), ("large", 1.0))),
+    *(Measure(f"the same, observe-only timing callback on the controller, {size}", "observed", size, "step_ms", True,
+              target) for size, target in (("small", 0.80), ("medium", 0.98), ("large", 1.0))),
+    *(Measure(f"{kind} samples/s, {size}", "steady", size, f"{kind}_samples_per_s", False, 0.90)
+      for kind in ("validate", "predict") for size in ("small", "medium", "large")),
+    Measure("large, ModelCheckpoint(every_n_train_steps=10), throughput", "checkpointed", "large", "step_ms", True, 1.0),
+]
+
+
+def run_one(mode: str, size: str, steps: int, scenario: str, devices: int = 2, attempts: int = 2) -> dict[str, Any]:
     """One run in a fresh process; a run that fails is tried once more and the failure recorded."""
     failures = []
     for _ in range(attempts):
         with tempfile.TemporaryDirectory() as scratch:
             out = Path(scratch) / "result.json"
-            command = [sys.executable, "-m", "benchmarks.run_one", "--mode", mode, "--size", size,
-                       "--steps", str(steps), "--out", str(out)]
+            command = [sys.executable, "-m", "benchmarks.run_one", "--mode", mode, "--size", size, "--steps", str(steps),
+                       "--scenario", scenario, "--devices", str(devices), "--out", str(out)]
             started = time.perf_counter()
             done = subprocess.run(command, capture_output=True, text=True, cwd=RESULTS.parent.parent, timeout=900)
             if done.returncode == 0:
@@ -42,7 +72,7 @@ def run_one(mode: str, size: str, steps: int, attempts: int = 2) -> dict[str, An
                 break
             failures.append(done.stderr[-2000:])
     else:
-        raise RuntimeError(f"{mode} {size} failed {attempts} times:\n{failures[-1]}")
+        raise RuntimeError(f"{mode} {size} {scenario} failed {attempts} times:\n{failures[-1]}")
     result["failed_attempts"] = failures
     result["wall_s"] = time.perf_counter() - started
     if isinstance(result.get("worker_peak_rss_mib"), list):
@@ -50,52 +80,61 @@ def run_one(mode: str, size: str, steps: int, attempts: int = 2) -> dict[str, An
     return result
 
 
-def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
-    summary: dict[str, Any] = {}
-    for size, by_mode in runs.items():
-        medians = {
-            mode: {metric: statistics.median(r[metric] for r in results) for metric in METRICS if metric in results[0]}
-            for mode, results in by_mode.items()
-        }
-        monarch, ddp = medians.get("monarch", {}), medians.get("ddp", {})
-        summary[size] = {
-            "medians": medians,
-            "throughput_ratio_monarch_over_ddp": ddp["step_ms"] / monarch["step_ms"] if monarch and ddp else None,
-            "controller_added_ms_per_step": monarch["step_ms"] - ddp["step_ms"] if monarch and ddp else None,
-        }
-    return summary
+def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The median of every figure over the runs of one mode."""
+    return {metric: statistics.median(run[metric] for run in runs) for metric, value in runs[0].items()
+            if isinstance(value, (int, float))}
+
+
+def summarize(runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]]) -> dict[str, Any]:
+    """Medians per scenario, size and mode; the ratio and verdict of every measure."""
+    found = {scenario: {size: {mode: medians(results) for mode, results in by_mode.items()}
+                        for size, by_mode in by_size.items()} for scenario, by_size in runs.items()}
+    rows = []
+    for measure in MEASURES:
+        by_mode = found.get(measure.scenario, {}).get(measure.size)
+        if not by_mode or "monarch" not in by_mode or "ddp" not in by_mode:
+            continue
+        monarch, ddp = by_mode["monarch"][measure.metric], by_mode["ddp"][measure.metric]
+        ratio = ddp / monarch if measure.is_time else monarch / ddp
+        rows.append({"measure": measure.name, "monarch": monarch, "ddp": ddp, "ratio": ratio, "target": measure.target,
+                     "met": ratio >= measure.target})
+    cpu = found.get("controller_cpu", {}).get("small", {})
+    return {"medians": found, "measures": rows,
+            "controller_cpu_ms_per_batch": {devices: values["controller_cpu_ms_per_batch"]
+                                            for devices, values in sorted(cpu.items(), key=lambda item: int(item[0]))}}
 
 
 def table(summary: dict[str, Any]) -> str:
-    lines = [
-        "| model | monarch ms/step | ddp ms/step | ddp_spawn ms/step | torch ms/step | monarch/ddp throughput | added ms/step"
-        " | first step cold, monarch / ddp (s) | first step warm, monarch / ddp (s)"
-        " | peak RSS controller / worker / ddp rank (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for size, entry in summary.items():
-        m = entry["medians"]
+    lines = ["| measure | monarch | ddp | ratio (>1: monarch faster) | target | met |", "|---|---|---|---|---|---|"]
+    for row in summary["measures"]:
+        lines.append(f"| {row['measure']} | {row['monarch']:.4g} | {row['ddp']:.4g} | {row['ratio']:.3f}"
+                     f" | ≥ {row['target']:.2f} | {'yes' if row['met'] else 'no'} |")
+    cpu = summary["controller_cpu_ms_per_batch"]
+    if cpu:
+        values = list(cpu.values())
+        spread = max(values) / min(values) - 1
+        lines += ["", "| workers | controller CPU ms per training batch (small model) |", "|---|---|"]
+        lines += [f"| {devices} | {value:.2f} |" for devices, value in cpu.items()]
+        lines.append(f"\nlargest over smallest: +{100 * spread:.0f}% (target: flat, within 20%:"
+                     f" {'met' if spread <= 0.2 else 'not met'})")
+    steady = summary["medians"].get("steady", {})
+    if steady:
+        lines += ["", "| model | ms/step monarch / ddp / ddp_spawn / torch | first step cold, monarch / ddp (s)"
+                  " | first step warm, monarch / ddp (s) | peak RSS controller / worker / ddp rank (MiB) |",
+                  "|---|---|---|---|---|"]
+        for size, m in steady.items():
+            def get(mode: str, metric: str, fmt: str = "{:.1f}") -> str:
+                value = m.get(mode, {}).get(metric)
+                return fmt.format(value) if value is not None else "n/a"
 
-        def get(mode: str, metric: str, fmt: str = "{:.1f}") -> str:
-            value = m.get(mode, {}).get(metric)
-            return fmt.format(value) if value is not None else "n/a"
-
-        lines.append(
-            f"| {size} | {get('monarch', 'step_ms')} | {get('ddp', 'step_ms')} | {get('ddp_spawn', 'step_ms')}"
-            f" | {get('torch', 'step_ms')} | {entry['throughput_ratio_monarch_over_ddp']:.3f}"
-            f" | {entry['controller_added_ms_per_step']:.1f} | {get('monarch', 'first_step_s')} / {get('ddp', 'first_step_s')}"
-            f" | {get('monarch', 'warm_first_step_s', '{:.2f}')} / {get('ddp', 'warm_first_step_s', '{:.2f}')}"
-            f" | {get('monarch', 'controller_peak_rss_mib', '{:.0f}')} / {get('monarch', 'worker_peak_rss_mib', '{:.0f}')}"
-            f" / {get('ddp', 'worker_peak_rss_mib', '{:.0f}')} |"
-        )
-    lines += ["", "| model | validate samples/s monarch / ddp | predict samples/s monarch / ddp (predictions returned) |",
-              "|---|---|---|"]
-    for size, entry in summary.items():
-        m = entry["medians"]
-        lines.append(
-            f"| {size} | {m['monarch']['validate_samples_per_s']:.0f} / {m['ddp']['validate_samples_per_s']:.0f}"
-            f" | {m['monarch']['predict_samples_per_s']:.0f} / {m['ddp']['predict_samples_per_s']:.0f} |"
-        )
+            lines.append(
+                f"| {size} | {' / '.join(get(mode, 'step_ms') for mode in MODES)}"
+                f" | {get('monarch', 'first_step_s')} / {get('ddp', 'first_step_s')}"
+                f" | {get('monarch', 'warm_first_step_s', '{:.2f}')} / {get('ddp', 'warm_first_step_s', '{:.2f}')}"
+                f" | {get('monarch', 'controller_peak_rss_mib', '{:.0f}')} / {get('monarch', 'worker_peak_rss_mib', '{:.0f}')}"
+                f" / {get('ddp', 'worker_peak_rss_mib', '{:.0f}')} |"
+            )
     return "\n".join(lines)
 
 
@@ -105,16 +144,16 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = list(summary)
-    figure, axis = plt.subplots(figsize=(7, 4))
-    width = 0.2
-    for index, mode in enumerate(MODES):
-        values = [summary[size]["medians"].get(mode, {}).get("step_ms", 0) for size in sizes]
-        axis.bar([i + index * width for i in range(len(sizes))], values, width, label=mode)
-    axis.set_xticks([i + 1.5 * width for i in range(len(sizes))], sizes)
-    axis.set_ylabel("ms per training step (median, lower is better)")
-    axis.set_yscale("log")
-    axis.set_title("2 workers on a 2-core CPU")
+    rows = summary["measures"]
+    figure, axis = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    positions = range(len(rows))
+    axis.barh(positions, [row["ratio"] for row in rows], color=["tab:green" if row["met"] else "tab:red" for row in rows])
+    axis.scatter([row["target"] for row in rows], positions, marker="|", s=300, color="black", label="target")
+    axis.axvline(1.0, color="grey", linewidth=0.8)
+    axis.set_yticks(list(positions), [row["measure"] for row in rows], fontsize=7)
+    axis.invert_yaxis()
+    axis.set_xlabel("monarch / ddp (higher: monarch faster)")
+    axis.set_title("2 workers on a 2-core CPU: medians of alternating runs")
     axis.legend()
     figure.tight_layout()
     figure.savefig(path)
@@ -122,19 +161,29 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small model, monarch and ddp, one repetition")
+    parser.add_argument("--quick", action="store_true", help="small model, steady scenario, monarch and ddp, once")
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--sizes", nargs="*", default=list(STEPS))
     args = parser.parse_args()
-    sizes = ["small"] if args.quick else args.sizes
-    modes = ("monarch", "ddp") if args.quick else MODES
-    reps = 1 if args.quick else args.reps
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {size: {mode: [] for mode in modes} for size in sizes}
-    for size in sizes:
+    # (scenario, size, modes, steps, devices)
+    plan: list[tuple[str, str, tuple[str, ...], int, int]]
+    if args.quick:
+        plan, reps = [("steady", "small", ("monarch", "ddp"), 20, 2)], 1
+    else:
+        reps = args.reps
+        plan = [("steady", size, MODES, steps, 2) for size, steps in STEPS.items()]
+        plan += [("observed", size, ("monarch", "ddp"), steps, 2) for size, steps in STEPS.items()]
+        plan += [("defaults", size, ("monarch", "ddp"), 0, 2) for size in ("small", "medium")]
+        plan += [("checkpointed", "large", ("monarch", "ddp"), 65, 2)]
+        plan += [("controller_cpu", "small", ("monarch",), 0, devices) for devices in CONTROLLER_CPU_DEVICES]
+    runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
+    for scenario, size, modes, steps, devices in plan:
         for rep in range(reps):
             for mode in modes:
-                print(f"[{size} {rep + 1}/{reps}] {mode} ...", flush=True)
-                runs[size][mode].append(run_one(mode, size, 20 if args.quick else STEPS[size]))
+                print(f"[{scenario} {size} {rep + 1}/{reps}] {mode} devices={devices} ...", flush=True)
+                result = run_one(mode, size, steps, scenario, devices)
+                # controller_cpu runs monarch alone: its results go by the number of workers
+                column = str(devices) if scenario == "controller_cpu" else mode
+                runs.setdefault(scenario, {}).setdefault(size, {}).setdefault(column, []).append(result)
     summary = summarize(runs)
     RESULTS.mkdir(exist_ok=True)
     stem = "quick" if args.quick else "latest"

@@ -1,6 +1,6 @@
-"""One benchmark run: one mode, one model size; writes its figures as JSON.
+"""One benchmark run: one mode, one model size, one scenario; writes its figures as JSON.
 
-    python -m benchmarks.run_one --mode monarch --size small --steps 200 --out result.json
+    python -m benchmarks.run_one --mode monarch --size small --steps 200 --out result.json [--scenario steady]
 
 Modes: ``monarch`` (2 workers), ``ddp`` (Lightning's subprocess launcher, as torchrun users run
 it), ``ddp_spawn``, and ``torch`` (a plain PyTorch DDP loop without Lightning: the floor). The
@@ -14,20 +14,24 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_monarch.benchmark.measure import WARMUP_STEPS, add_arguments, peak_rss_mib, step_seconds, timed_fit
-from lightning_monarch.benchmark.models import SIZES, make_dataset, make_network
+from lightning_monarch.benchmark.models import SIZES, BenchModel, make_dataset, make_network
 
 
-def run_lightning(mode: str, size: str, steps: int, out: str, accelerator: str, devices: int) -> dict[str, Any]:
+def run_steady(mode: str, size: str, steps: int, out: str, accelerator: str, devices: int) -> dict[str, Any]:
     """A cold ``fit`` (new processes), a warm one (a new Trainer in the same process: ``monarch``
     keeps its mesh, ``ddp`` its ranks, ``ddp_spawn`` starts new ones), then validate and predict."""
     _, model, cold = timed_fit(mode, size, steps, out + ".cold", accelerator, devices)
@@ -51,6 +55,40 @@ def run_lightning(mode: str, size: str, steps: int, out: str, accelerator: str, 
     eval_trainer.predict(model)
     result["predict_samples_per_s"] = samples / (time.perf_counter() - started)
     return result if trainer.is_global_zero else {}
+
+
+def run_timed(mode: str, size: str, steps: int, out: str, accelerator: str, devices: int, clock: str = "steps",
+              callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
+    """One cold ``fit``, its steady time per step timed by ``clock`` (``measure.timed_fit``)."""
+    trainer, _, measured = timed_fit(mode, size, steps, out + ".clock", accelerator, devices, clock, callbacks)
+    return {"step_ms": 1000 * step_seconds(measured["batch_ends"]), "fit_s": measured["fit_s"]} if trainer.is_global_zero else {}
+
+
+def run_defaults(mode: str, size: str, out: str, accelerator: str, devices: int) -> dict[str, Any]:
+    """A whole cold ``fit`` as users run it, with Lightning's defaults: progress bar, model summary,
+    ``ModelCheckpoint``, a CSV logger, the sanity check and validation every epoch; 4 epochs of
+    60 batches per rank and 20 validation batches."""
+    torch.manual_seed(0)
+    model = BenchModel(size, batches=devices * 60)
+    trainer = L.Trainer(strategy=mode, accelerator=accelerator, devices=devices, max_epochs=4, limit_val_batches=20,
+                        default_root_dir=out + ".root", logger=CSVLogger(out + ".root"))
+    started = time.perf_counter()
+    trainer.fit(model)
+    return {"fit_s": time.perf_counter() - started} if trainer.is_global_zero else {}
+
+
+def run_controller_cpu(size: str, out: str, devices: int) -> dict[str, Any]:
+    """The controller's CPU time per training batch under ``monarch`` (every thread of its process,
+    Monarch's included): the difference between a 250-step and a 50-step ``fit`` on a warm mesh,
+    over the 200 steps between them."""
+    timed_fit("monarch", size, 20, out + ".warmup", "cpu", devices)
+    used = []
+    for steps in (50, 250):
+        before = psutil.Process().cpu_times()
+        timed_fit("monarch", size, steps, out + f".{steps}", "cpu", devices)
+        after = psutil.Process().cpu_times()
+        used.append(after.user + after.system - before.user - before.system)
+    return {"controller_cpu_ms_per_batch": 1000 * (used[1] - used[0]) / 200, "devices": devices}
 
 
 def _torch_rank(rank: int, size: str, steps: int, port: int, out: str) -> None:
@@ -92,14 +130,33 @@ def run_torch(size: str, steps: int, out: str) -> None:
         json.dump(result, handle)
 
 
+#: What one run measures: ``steady`` (throughput, start-up, memory, validate and predict), ``observed``
+#: (throughput with an observe-only clock on the controller), ``checkpointed`` (throughput with
+#: ``ModelCheckpoint(every_n_train_steps=10)``), ``defaults`` (a whole fit with Lightning's
+#: defaults), ``controller_cpu`` (``monarch`` only: the controller's CPU time per batch).
+SCENARIOS = ("steady", "observed", "checkpointed", "defaults", "controller_cpu")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", choices=SCENARIOS, default="steady")
     args = add_arguments(parser, ("monarch", "ddp", "ddp_spawn", "torch")).parse_args()
     torch.set_num_threads(1)
     if args.mode == "torch":
         run_torch(args.size, args.steps, args.out)
         return
-    result = run_lightning(args.mode, args.size, args.steps, args.out, args.accelerator, args.devices)
+    work = args.out  # a prefix for the run's files, the same on every rank: the path run.py gives
+    if args.scenario == "steady":
+        result = run_steady(args.mode, args.size, args.steps, work, args.accelerator, args.devices)
+    elif args.scenario == "observed":
+        result = run_timed(args.mode, args.size, args.steps, work, args.accelerator, args.devices, clock="controller")
+    elif args.scenario == "checkpointed":
+        checkpoint = ModelCheckpoint(dirpath=work + ".checkpoints", every_n_train_steps=10)
+        result = run_timed(args.mode, args.size, args.steps, work, args.accelerator, args.devices, callbacks=[checkpoint])
+    elif args.scenario == "defaults":
+        result = run_defaults(args.mode, args.size, work, args.accelerator, args.devices)
+    else:
+        result = run_controller_cpu(args.size, work, args.devices)
     if result:
         with open(args.out, "w") as handle:
             json.dump(result, handle)

@@ -13,12 +13,20 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_monarch import _compat
 from lightning_monarch.accelerator import WorkerGPUAccelerator
 from lightning_monarch.controller.checkpoints import convert_sharded_checkpoint
+from lightning_monarch.controller.plan import observe_only
 from lightning_monarch.controller.pool import stop_meshes
 from lightning_monarch.controller.stats import MeshStatsMonitor
-from lightning_monarch.errors import MeshFailureError, UnreachableHostsError, WorkerError, WorkerTimeoutError
+from lightning_monarch.errors import (
+    DivergenceError,
+    MeshFailureError,
+    UnreachableHostsError,
+    WorkerError,
+    WorkerTimeoutError,
+)
 from lightning_monarch.strategy import MonarchStrategy
 
 __all__ = [
+    "DivergenceError",
     "MeshFailureError",
     "MeshStatsMonitor",
     "MonarchStrategy",
@@ -27,6 +35,7 @@ __all__ = [
     "WorkerTimeoutError",
     "UnreachableHostsError",
     "convert_sharded_checkpoint",
+    "observe_only",
     "stop_meshes",
 ]
 __version__ = "0.1.0"

@@ -27,6 +27,7 @@ __all__ = [
     "Launcher",
     "LoggerConnector",
     "carry_fit_progress",
+    "checkpoint_schedule",
     "checks_loader_lengths",
     "combined_loader_lengths",
     "decision_caller",
@@ -260,6 +261,12 @@ def decision_caller() -> tuple[Any, str]:
     ``EarlyStopping`` and ``ModelCheckpoint``'s top-k decide from the metric they monitor."""
     frame = sys._getframe(2)
     return frame.f_locals.get("self"), frame.f_code.co_name
+
+
+def checkpoint_schedule(callback: Any) -> tuple[int, Any]:
+    """A ``ModelCheckpoint``'s ``every_n_train_steps`` and ``train_time_interval``, as it keeps them
+    (a count of 0 when it saves at epoch ends instead)."""
+    return callback._every_n_train_steps, callback._train_time_interval
 
 
 def route_accelerator(choose: Callable[[Any, Any], Any]) -> None:

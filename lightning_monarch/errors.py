@@ -51,3 +51,8 @@ class WorkerTimeoutError(MeshFailureError):
 class UnreachableHostsError(MisconfigurationException):
     """The workers' hosts did not connect to the controller at ``Trainer(...)`` time; the message
     names the addresses that do not accept a connection."""
+
+
+class DivergenceError(RuntimeError):
+    """The controller's Lightning loop and the workers' reached different hooks, or the controller
+    changed or read what the workers had already moved past (R3, R6). The message names where."""

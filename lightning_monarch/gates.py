@@ -1,9 +1,10 @@
 """Gate installation that both sides share: the same hooks must gate on the controller and on
-every worker (L2 in :mod:`lightning_monarch.protocol`), so both build their gates here.
+every worker (R2 in :mod:`lightning_monarch.protocol`), so both build their gates here.
 
 A gate wraps a hook so that calling it goes through an ``around(gate, fn, args, kwargs)``
-function: on the controller that function sends an ``Advance``; on a worker it parks the loop
-thread. The wrappers keep ``__wrapped__``, so Lightning's ``is_overridden`` sees the user's code.
+function: on a worker that function runs the hook and records an entry for the controller; on the
+controller it takes that entry instead. The wrappers keep ``__wrapped__``, so Lightning's
+``is_overridden`` sees the user's code.
 """
 
 from __future__ import annotations

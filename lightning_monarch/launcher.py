@@ -23,8 +23,10 @@ from lightning_monarch import _compat, preflight
 from lightning_monarch.controller.callbacks import check_controller_callbacks, check_worker_callbacks
 from lightning_monarch.controller.cells import blocks_the_cell
 from lightning_monarch.controller.checkpoints import SnapshotDirectory
+from lightning_monarch.controller.channel import StageChannel
 from lightning_monarch.controller.checks import pack_for_workers
 from lightning_monarch.controller.mirrors import plan_loaders
+from lightning_monarch.controller.plan import make_plan, states_can_travel
 from lightning_monarch.controller.pool import MESHES
 from lightning_monarch.controller.session import StageSession
 from lightning_monarch.gates import install_hook_gates
@@ -85,20 +87,22 @@ class MonarchLauncher(_compat.Launcher):
         mesh.step_timeout = self._strategy.step_timeout
         ended_cleanly = False
         snapshots: Optional[SnapshotDirectory] = None
+        channel: Optional[StageChannel] = None
         try:
             if not mesh.checked:
                 preflight.check(mesh, key.accelerator, key.process_group_backend)
             if spec.trainer.sharding is not None and self._strategy.max_restarts:
                 snapshots = SnapshotDirectory(self._strategy.snapshot_dir)
-            mesh.start_stage(spec, self._strategy.max_restarts, self._strategy.snapshot_every_n_epochs, snapshots)
-            session = StageSession(trainer, mesh, module, datamodule, self._strategy.worker_callbacks,
-                                   sharded=spec.trainer.sharding is not None)
+            channel = StageChannel(mesh, spec, self._strategy.max_restarts, snapshots)
+            channel.start()
+            session = StageSession(trainer, channel, module, datamodule, self._strategy.worker_callbacks,
+                                   spec.run_ahead, self._snapshot_every(), sharded=spec.trainer.sharding is not None)
             self._strategy.attach(session)
             with session.installed():
                 for name, value in loaders.items():
                     arguments[name] = plan_loaders(LoaderRef.describe(value), loader_args[name], session.loaders)
                 result = function(**arguments)
-                session.finish(trained=stage == "fit")
+                session.finish(stage)
             if stage == "predict" and result is not None:
                 batch_sizes = [getattr(loader, "batch_size", None) for loader in tree_flatten(trainer.predict_dataloaders)[0]]
                 result = session.predictions.in_dataset_order(len(trainer.num_predict_batches), batch_sizes)
@@ -110,12 +114,16 @@ class MonarchLauncher(_compat.Launcher):
             raise
         finally:
             self._strategy.attach(None)
-            self._strategy.restarts += mesh.restarts
+            self._strategy.restarts += channel.restarts if channel is not None else 0
             MESHES.release(key, mesh, keep=self._strategy.keep_warm, failed=not ended_cleanly)
             if snapshots is not None:
                 snapshots.remove()
             if silence is not None:
                 silence()
+
+    def _snapshot_every(self) -> Optional[int]:
+        """Every how many training epochs the workers wait for a snapshot; ``None`` without restarts."""
+        return self._strategy.snapshot_every_n_epochs if self._strategy.max_restarts else None
 
     def _stage_spec(self, stage: str, trainer: Trainer, module: LightningModule,
                     datamodule: Optional[LightningDataModule], loaders: dict[str, Any],
@@ -168,6 +176,8 @@ class MonarchLauncher(_compat.Launcher):
             ],
             sys_path=(script_dir,) if script_dir else (),
             env={name: os.environ.get(name) for name in _SEED_ENV},
+            run_ahead=make_plan(trainer.callbacks, strategy.max_ahead, self._snapshot_every(),
+                                states_travel=states_can_travel(module, strategy.worker_callbacks, sharding is not None)),
         )
 
 

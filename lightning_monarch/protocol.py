@@ -1,32 +1,44 @@
-"""The messages the controller and the workers exchange, and the hook names both sides gate on.
+"""The messages the controller and the workers exchange, the gates both sides share, and the rules
+that keep the two sides' Lightning loops in step.
 
 Both sides import this module; nothing here talks to a mesh or runs a hook.
 
-How the two sides stay in step (the lockstep invariants, cited elsewhere as L1-L5):
+The run-ahead invariants, cited elsewhere as R1-R8:
 
-L1. The controller runs Lightning's real loop for the stage; every worker runs Lightning's real
+R1. The controller runs Lightning's real loop for the stage; every worker runs Lightning's real
     ``Trainer`` for the same stage with ``DDPStrategy`` (``ModelParallelStrategy`` when sharded) on
-    a loop thread. Both sides see the same flags and the same dataloader lengths, so both loops
-    reach the same hooks in the same order.
-L2. A *gate* is a top-level call of a hook in :data:`MODULE_HOOKS`, :data:`DATAMODULE_HOOKS` or
-    :data:`CALLBACK_HOOKS`. Hooks called while another gated hook runs are *nested* and never gate.
-L3. At each gate the controller sends one :class:`Advance`. A worker runs up to that gate, checks
-    that it reached the same hook, runs it, and parks right after it. The work between two gates
-    (Lightning's own bookkeeping) runs only when the next ``Advance`` arrives, so a worker never
-    acts on control state (:data:`CONTROL_STATE`) older than the controller's own decision. An
-    ``Advance`` carries only the control state the controller changed, so a change made by user
-    code on a worker is never overwritten before the controller has seen it.
-L4. Messages to one worker arrive in order. An ``Advance`` that the controller does not wait on is
-    a fire-and-forget broadcast; its effects (logged values, logger calls) travel with the next
-    reply that the controller waits for, and the workers describe no result for it. A training
-    batch's ``optimizer_step`` is one of them when only the step's outputs would come back (see
-    ``StageSession``), and so is ``training_step`` while gradients accumulate: the controller's loop
-    goes on with a placeholder loss and the workers compute meanwhile. The real outputs arrive
-    with the callbacks' ``on_train_batch_end`` when a controller callback overrides it, before it
-    reads them; the batch's reply otherwise comes at the module's ``on_train_batch_end``. At least
-    one reply per training batch arrives before the controller decides whether to go on.
-L5. User hooks run on the workers only. The controller runs only Lightning's base implementation
-    of a hook, fed with what the workers returned.
+    a loop thread. Both get the same flags, so both reach the same hooks in the same order. The
+    workers make every one of Lightning's decisions (when to validate, to stop, to step the
+    optimizer); the controller's loop follows them.
+R2. A *gate* is a top-level call of a hook in :data:`GATES`. Hooks called while another gated
+    hook runs are *nested* and never gate.
+R3. At each gate every worker runs the hook; rank 0 then records an :class:`Entry`: what the
+    controller needs of that gate (the result where :data:`GATES` says the controller uses it, the
+    nested results, the control state after it, the logger calls made since the last entry, ...).
+    Entries reach the controller in order and in bulk; its loop consumes one per gate, and a gate
+    that is not the entry's raises ``DivergenceError``.
+R4. A worker runs ahead of the controller without waiting, except that it starts a batch of a batch
+    loop only within :attr:`RunAhead.max_ahead` batches of the last one the controller has taken
+    (a :class:`Grant` tells it), and that after a *sync gate* it parks until the controller
+    releases it (a :class:`Release`). ``max_ahead=0`` makes every gate a sync gate: lockstep.
+R5. Sync gates are where a controller callback acts on the workers (:attr:`RunAhead.sync`): the
+    control state it changes travels with the ``Release`` and applies before the workers go on,
+    and what it reads live (metrics, checkpoint state, stats) is read while every worker is parked
+    there. A worker serves such out-of-band requests only while parked at a sync gate, or after
+    its stage ended.
+R6. Between sync gates the controller knows of the workers only what the entries carry: the
+    metric views at the gates where an observe-only callback reads them
+    (:attr:`RunAhead.views`), the step outputs where a controller callback may read them
+    (:attr:`RunAhead.outputs`), and rank 0's checkpoint state with the metric views where a
+    ``ModelCheckpoint`` saves without acting on the workers otherwise (:attr:`RunAhead.states`;
+    rank 0 keeps at most :data:`MAX_STAGED_STATES` of them unfetched, and waits for the controller
+    to fetch one before it copies another). Any other read of live worker state there raises,
+    and so does control state that the controller changed at a gate that is not a sync gate.
+R7. User hooks run on the workers only. The controller runs only Lightning's base implementation
+    of a hook, fed with the entry's result.
+R8. A worker's failure ends its stage. The controller raises it after it has replayed every entry
+    rank 0 recorded before it, so loggers and checkpoints are those of a ``ddp`` run that failed
+    at that point.
 """
 
 from __future__ import annotations
@@ -51,7 +63,7 @@ _SHARED_HOOKS: tuple[str, ...] = tuple(
     for event in ("start", "end")
 ) + ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
 
-#: Hooks of a ``LightningDataModule`` that gate (L2); a ``LightningModule`` has them too.
+#: Hooks of a ``LightningDataModule`` that gate (R2); a ``LightningModule`` has them too.
 DATAMODULE_HOOKS: tuple[str, ...] = (
     "prepare_data",
     "setup",
@@ -65,7 +77,7 @@ DATAMODULE_HOOKS: tuple[str, ...] = (
     "on_after_batch_transfer",
 )
 
-#: Hooks of a ``LightningModule`` that gate (L2). ``on_save_checkpoint`` is absent: the controller
+#: Hooks of a ``LightningModule`` that gate (R2). ``on_save_checkpoint`` is absent: the controller
 #: calls it while it writes a checkpoint, which the workers never do, so it runs out of band.
 MODULE_HOOKS: tuple[str, ...] = DATAMODULE_HOOKS + _SHARED_HOOKS + (
     "configure_callbacks",
@@ -90,39 +102,50 @@ MODULE_HOOKS: tuple[str, ...] = DATAMODULE_HOOKS + _SHARED_HOOKS + (
     "on_load_checkpoint",
 )
 
-#: Callback hooks that gate (L2). Checkpoint hooks and ``on_exception`` are absent: the first run
+#: Callback hooks that gate (R2). Checkpoint hooks and ``on_exception`` are absent: the first run
 #: out of band, the second runs on each side's own failure path.
 CALLBACK_HOOKS: tuple[str, ...] = ("setup", "teardown", "on_sanity_check_start", "on_sanity_check_end") + _SHARED_HOOKS
 
-#: Gates whose worker result the controller uses instead of running Lightning's base
-#: implementation (L5). Every other gate returns the base implementation's value.
-RESULT_HOOKS: frozenset[str] = frozenset(
-    {
-        "module.training_step",
-        "module.validation_step",
-        "module.test_step",
-        "module.predict_step",
-        "module.on_train_batch_start",
-        "module.configure_optimizers",
-        "module.configure_callbacks",
-        "module.train_dataloader",
-        "module.val_dataloader",
-        "module.test_dataloader",
-        "module.predict_dataloader",
-        "datamodule.train_dataloader",
-        "datamodule.val_dataloader",
-        "datamodule.test_dataloader",
-        "datamodule.predict_dataloader",
-    }
-)
+@dataclass(frozen=True)
+class Gate:
+    """How one gate behaves on both sides: the gate table's row (R2-R4)."""
 
-#: Gates that Lightning calls on some ranks only (``prepare_data`` runs on local rank 0). A worker
-#: that does not reach one answers :class:`Advance` for it with a skip.
-RANK_LOCAL_HOOKS: frozenset[str] = frozenset({"module.prepare_data", "datamodule.prepare_data"})
+    #: What rank 0 records of the hook's result, for the controller's loop to use instead of
+    #: Lightning's base implementation (R7; ``worker.describe`` encodes it, the session decodes it):
+    #: ``"outputs"`` a step's outputs (only where :attr:`RunAhead.outputs` asks, else a placeholder),
+    #: ``"optimizers"``, ``"loaders"`` and ``"callbacks"`` descriptions, ``"value"`` the value itself.
+    #: ``None``: the controller runs the base implementation.
+    result: Optional[str] = None
+    #: The first gate of a batch of a batch loop: the unit of a worker's lead (R4).
+    batch_start: bool = False
+    #: Lightning calls it on some ranks only (``prepare_data``, on local rank 0): never a sync gate,
+    #: since the other ranks never park there.
+    rank_local: bool = False
 
 
-#: Trainer attributes that steer the loop and that callbacks or module code may change: each
-#: ``Advance`` carries the controller's values and each reply rank 0's (L3). EarlyStopping sets
+_PLAIN = Gate()
+
+
+def _gate_table() -> dict[str, Gate]:
+    table = {gate_id(owner, hook): _PLAIN for owner, hooks in (
+        ("module", MODULE_HOOKS), ("datamodule", DATAMODULE_HOOKS), ("callback", CALLBACK_HOOKS)) for hook in hooks}
+    for step in ("training_step", "validation_step", "test_step"):
+        table[gate_id("module", step)] = Gate(result="outputs")
+    table[gate_id("module", "predict_step")] = Gate(result="prediction")
+    table[gate_id("module", "on_train_batch_start")] = Gate(result="value")
+    table[gate_id("module", "configure_optimizers")] = Gate(result="optimizers")
+    table[gate_id("module", "configure_callbacks")] = Gate(result="callbacks")
+    for owner in ("module", "datamodule"):
+        for stage in ("train", "val", "test", "predict"):
+            table[gate_id(owner, f"{stage}_dataloader")] = Gate(result="loaders")
+        table[gate_id(owner, "prepare_data")] = Gate(rank_local=True)
+    for stage in ("train", "validation", "test", "predict"):
+        table[gate_id("callback", f"on_{stage}_batch_start")] = Gate(batch_start=True)
+    return table
+
+
+#: Trainer attributes that steer the loop and that callbacks or module code may change: every entry
+#: carries rank 0's (R3), and a ``Release`` the controller's changes (R5). EarlyStopping sets
 #: ``should_stop``; GradientAccumulationScheduler sets ``accumulate_grad_batches``.
 CONTROL_STATE: tuple[str, ...] = ("should_stop", "accumulate_grad_batches")
 
@@ -148,6 +171,10 @@ def worker_backend(accelerator: str, chosen: Optional[str]) -> str:
 #: an exact batch). The snapshot is read while the workers are parked right after this gate.
 SNAPSHOT_GATE = "callback.on_train_epoch_start"
 
+#: How many copies of its checkpoint state rank 0 keeps for the controller to fetch at most (R6):
+#: each is a whole model and optimizer state in host memory.
+MAX_STAGED_STATES = 2
+
 #: The Trainer properties holding metrics that the controller's Trainer shows from rank 0.
 METRIC_VIEWS: tuple[str, ...] = ("callback_metrics", "progress_bar_metrics", "logged_metrics")
 
@@ -160,6 +187,10 @@ def control_state(trainer: Any) -> dict[str, Any]:
 def gate_id(owner: str, hook: str) -> str:
     """The name of a gate on the wire: ``"module.training_step"``, ``"callback.on_fit_start"``."""
     return f"{owner}.{hook}"
+
+
+#: Every gate, by name (R2), with how it behaves.
+GATES: dict[str, Gate] = _gate_table()
 
 
 @dataclass(frozen=True)
@@ -190,7 +221,7 @@ class ShardingSpec:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    """The controller Trainer's flags that a worker's Trainer must share so both loops agree (L1)."""
+    """The controller Trainer's flags that a worker's Trainer must share so both loops agree (R1)."""
 
     accelerator: str
     devices: int
@@ -282,6 +313,8 @@ class StageSpec:
     sys_path: tuple[str, ...]
     #: Environment variables to set on the worker; ``None`` unsets one.
     env: dict[str, Optional[str]]
+    #: How far the workers may lead, where they wait, what their entries carry (R4-R6).
+    run_ahead: "RunAhead"
     #: Set when new workers replace failed ones: the snapshot they resume from.
     resume: Optional[ResumePoint] = None
 
@@ -310,24 +343,160 @@ class LoggerCall:
     kwargs: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Advance:
-    """Run up to gate ``hook``, run it, park after it (L3). Carries the control state the
-    controller changed since the last reply it took."""
+class SyncRule:
+    """When a gate is a sync gate (R5): decided by each worker, on its own Trainer, as it reaches
+    the gate, and alike on every rank (the rules read state every rank shares)."""
 
-    hook: str
+    def due(self, trainer: Any) -> bool:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Always(SyncRule):
+    """Every time."""
+
+    def due(self, trainer: Any) -> bool:
+        return True
+
+
+@dataclass(frozen=True)
+class EveryNTrainSteps(SyncRule):
+    """When ``trainer.global_step`` is a multiple of ``n``: where ``ModelCheckpoint(every_n_train_steps=n)``
+    may save and ``MeshStatsMonitor(logging_interval=n)`` reads."""
+
+    n: int
+
+    def due(self, trainer: Any) -> bool:
+        return trainer.global_step % self.n == 0
+
+
+@dataclass(frozen=True)
+class SnapshotEpochs(SyncRule):
+    """At the start of every ``every``-th training epoch after the first: where the controller
+    snapshots the workers for recovery."""
+
+    every: int
+
+    def due(self, trainer: Any) -> bool:
+        return trainer.current_epoch > 0 and trainer.current_epoch % self.every == 0
+
+
+@dataclass(frozen=True)
+class AnyOf(SyncRule):
+    """When any of ``rules`` is due: several controller callbacks at one gate."""
+
+    rules: tuple[SyncRule, ...]
+
+    def due(self, trainer: Any) -> bool:
+        return any(rule.due(trainer) for rule in self.rules)
+
+
+@dataclass(frozen=True)
+class RunAhead:
+    """How far the workers may lead in a stage, where they wait, and what their entries carry
+    (R4-R6). Made on the controller from its callbacks (``controller.plan``), sent with the stage."""
+
+    #: Batches a worker may start beyond the last one the controller took; ``None``: no limit (a
+    #: whole epoch and more); ``0``: lockstep, every gate a sync gate.
+    max_ahead: Optional[int]
+    #: The gates that may be sync gates, and when.
+    sync: dict[str, SyncRule]
+    #: The gates whose entries carry rank 0's three metric views (an observe-only callback reads them).
+    views: frozenset[str]
+    #: The step gates whose entries carry the step's outputs (a controller callback on the batch's
+    #: end may read them); elsewhere a placeholder loss stands in.
+    outputs: frozenset[str]
+    #: The gates whose entries carry, when due, rank 0's checkpoint state and the metric views: a
+    #: ``ModelCheckpoint`` saves there without making the workers wait.
+    states: dict[str, SyncRule] = field(default_factory=dict)
+
+    def syncs_at(self, gate: str, trainer: Any) -> bool:
+        """Whether ``gate`` is a sync gate now, on ``trainer``'s state."""
+        if GATES[gate].rank_local:
+            return False
+        if self.max_ahead == 0:
+            return True
+        rule = self.sync.get(gate)
+        return rule is not None and rule.due(trainer)
+
+    def stages_state_at(self, gate: str, trainer: Any) -> bool:
+        """Whether ``gate``'s entry carries the checkpoint state now (where the workers park, the
+        controller reads it from them instead)."""
+        rule = self.states.get(gate)
+        return rule is not None and rule.due(trainer) and not self.syncs_at(gate, trainer)
+
+
+class _Omitted:
+    """The result of a step whose outputs no controller callback reads: the entry does not carry
+    them (R6). Unpickled as the same object, so ``value is OMITTED`` holds on the controller."""
+
+    def __reduce__(self) -> str:
+        return "OMITTED"
+
+    def __repr__(self) -> str:
+        return "OMITTED"
+
+
+#: What an entry carries for outputs left on the workers.
+OMITTED = _Omitted()
+
+
+@dataclass
+class Entry:
+    """What rank 0 recorded at one gate (R3). The arrival fields were read when the worker reached
+    the gate, before the hook ran; the others after it. ``gate=None`` marks the end of the stage,
+    with the failure that ended it, if one did (R8)."""
+
+    gate: Optional[str]
+    #: Whether every worker parked after this gate until the controller releases them (R5).
+    sync: bool = False
+    result: Any = None
+    #: Results of the gated hooks the hook called itself, in order (R2).
+    nested: list[tuple[str, Any]] = field(default_factory=list)
+    control: dict[str, Any] = field(default_factory=dict)
+    logger_calls: list[LoggerCall] = field(default_factory=list)
+    #: Each optimizer's hyperparameters, at the gates ``LearningRateMonitor`` reads them.
+    param_groups: Optional[list[list[dict[str, Any]]]] = None
+    #: Manual optimization's step count (``trainer.global_step``), when it changed.
+    manual_steps: Optional[dict[str, Any]] = None
+    #: Rank 0's three metric views, where :attr:`RunAhead.views` or :attr:`RunAhead.states` asks.
+    views: Optional[dict[str, dict[str, Any]]] = None
+    #: A copy of rank 0's checkpoint state after the hook, where :attr:`RunAhead.states` asks.
+    checkpoint: Optional[CheckpointState] = None
+    #: Arrival: the values ``update_eval_epoch_metrics`` returned since the last entry.
+    eval_outputs: list[dict[str, Any]] = field(default_factory=list)
+    #: Arrival, when changed: per stage, the lengths of the loop's dataloaders.
+    loader_lengths: Optional[dict[str, list[Optional[int]]]] = None
+    #: Arrival, when changed: per stage, how many batches the loop's data fetcher has taken.
+    fetched_batches: Optional[dict[str, int]] = None
+    failure: Optional["WorkerFailure"] = None
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The controller has taken ``batches`` batch starts (R4): a worker may start batches up to
+    ``batches + max_ahead``."""
+
+    batches: int
+
+
+@dataclass(frozen=True)
+class Release:
+    """Leave the sync gate you are parked at (R5), with the control state the controller changed
+    there applied first, and the stage's plan from here on if it grew there (``controller.plan``:
+    ``configure_callbacks`` gave the controller callbacks, ``configure_optimizers`` schedulers)."""
+
     control: dict[str, Any]
-    wait: bool
+    plan: Optional[RunAhead] = None
 
 
 @dataclass(frozen=True)
-class Peek:
-    """Run Lightning's bookkeeping up to the next gate without running it; report loader lengths."""
+class RankStatus:
+    """How far one worker's stage got: the gates it has run, and the failure that ended it, if one did."""
 
-
-@dataclass(frozen=True)
-class Finish:
-    """Run the rest of the stage; no gate may follow."""
+    rank: int
+    gates: int
+    failure: Optional["WorkerFailure"] = None
 
 
 @dataclass(frozen=True)
@@ -394,31 +563,6 @@ class WorkerFailure:
             message=str(error),
             traceback="".join(traceback.format_exception(error)),
         )
-
-
-@dataclass
-class WorkerReply:
-    """A worker's answer to an :class:`Advance`, :class:`Peek` or :class:`Finish`.
-
-    Rank 0 fills the state fields (logger calls, optimizer hyperparameters, manual optimization's
-    step count, the values that ``update_eval_epoch_metrics`` returned) in every reply the
-    controller waits on, and dataloader lengths and fetch counts in a ``Peek``'s reply; other
-    ranks send only what is per-rank (the ``result`` of ``predict_step``, a failure).
-    """
-
-    rank: int
-    hook: Optional[str] = None
-    result: Any = None
-    nested: list[tuple[str, Any]] = field(default_factory=list)
-    control: dict[str, Any] = field(default_factory=dict)
-    logger_calls: list[LoggerCall] = field(default_factory=list)
-    param_groups: Optional[list[list[dict[str, Any]]]] = None
-    manual_steps: Optional[dict[str, Any]] = None
-    eval_outputs: list[dict[str, Any]] = field(default_factory=list)
-    loader_lengths: Optional[dict[str, list[Optional[int]]]] = None
-    fetched_batches: Optional[dict[str, int]] = None
-    skipped: bool = False
-    failure: Optional[WorkerFailure] = None
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ from lightning_monarch.protocol import CheckpointState, RankStats, ShardingSpec
 
 #: Keyword arguments of ``DistributedDataParallel`` that the workers' ``DDPStrategy`` passes on.
 _DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+#: How many batches the workers may run ahead of the controller's loop by default (R4).
+DEFAULT_MAX_AHEAD = 16
 #: How the workers hold the module: a replica each, or sharded with FSDP2.
 _PARALLELISMS = ("ddp", "fsdp")
 
@@ -91,6 +93,10 @@ class MonarchStrategy(ParallelStrategy):
         step_timeout: seconds a message may wait for the workers before they count as hung
             (``WorkerTimeoutError`` naming the ranks that did not answer, or a restart); ``None``
             (the default) waits as long as a step takes.
+        max_ahead: how many batches the workers may run ahead of the controller's loop, which
+            replays what rank 0 recorded at each hook; they wait only where a controller callback
+            acts on them (a sync point; see the architecture page). ``0`` is lockstep, every hook a
+            sync point, for debugging; ``None`` no limit.
         keep_warm: keep the worker processes after a stage that ended cleanly, for the next
             ``fit``/``validate``/``test``/``predict`` with the same devices and backend, in this
             Trainer or another (``lightning_monarch.stop_meshes()`` or interpreter exit stops
@@ -138,6 +144,7 @@ class MonarchStrategy(ParallelStrategy):
         snapshot_every_n_epochs: int = 1,
         snapshot_dir: Optional[Union[str, os.PathLike]] = None,
         step_timeout: Optional[float] = None,
+        max_ahead: Optional[int] = DEFAULT_MAX_AHEAD,
         keep_warm: bool = True,
         parallelism: str = "ddp",
         fsdp_policy: Optional[Iterable[type[nn.Module]]] = None,
@@ -201,6 +208,12 @@ class MonarchStrategy(ParallelStrategy):
             raise ValueError(_fsdp_only("snapshot_dir=...", "holds the workers' sharded recovery snapshots"))
         self.snapshot_dir = snapshot_dir
         self.step_timeout = step_timeout
+        if max_ahead is not None and (not isinstance(max_ahead, int) or isinstance(max_ahead, bool) or max_ahead < 0):
+            raise ValueError(
+                f"`MonarchStrategy(max_ahead={max_ahead!r})`: give a whole number of batches >= 0 that the workers"
+                " may run ahead of the controller (0: lockstep, for debugging), or None for no limit."
+            )
+        self.max_ahead = max_ahead
         #: How many times this strategy's stages replaced their worker processes after a failure.
         self.restarts = 0
         self.keep_warm = keep_warm
@@ -640,7 +653,7 @@ class MonarchStrategy(ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         """Under ``parallelism="fsdp"`` the workers' ``ModelParallelStrategy`` restores a checkpoint
         after ``configure_optimizers``; the controller restores at the same point, so that both
-        loops call ``on_load_checkpoint`` in the same order (L1)."""
+        loops call ``on_load_checkpoint`` in the same order (R1)."""
         return self.parallelism == "fsdp"
 
     @property

@@ -337,3 +337,42 @@ class RankPredictionWriter(BasePredictionWriter):
         os.makedirs(self.directory, exist_ok=True)
         torch.save({"prediction": prediction, "indices": list(batch_indices)},
                    os.path.join(self.directory, f"rank{trainer.global_rank}-batch{batch_idx}.pt"))
+
+
+class ViewsRecorder(L.Callback):
+    """A controller callback recording the metric views it sees at every training batch's end."""
+
+    def __init__(self) -> None:
+        self.record: list[dict[str, dict[str, float]]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.record.append({
+            "progress_bar_metrics": {key: float(value) for key, value in trainer.progress_bar_metrics.items()},
+            "callback_metrics": {key: float(value) for key, value in trainer.callback_metrics.items()},
+        })
+
+
+class StopAtStep(L.Callback):
+    """A controller callback that stops training at a step, as a budget guard would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.record: list[int] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+            self.record.append(trainer.global_step)
+
+
+class FailsAtStep(Classifier):
+    """Rank 0 raises in ``training_step`` once ``global_step`` reaches ``step``."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.fail_step = step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.fail_step and self.global_rank == 0:
+            raise ValueError(f"failing on purpose at step {self.fail_step}")
+        return super().training_step(batch, batch_idx)

@@ -31,7 +31,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from monarch.job import ProcessJob
 
-from lightning_monarch import MonarchStrategy, stop_meshes
+from lightning_monarch import MonarchStrategy, WorkerError, observe_only, stop_meshes
+from lightning_monarch.strategy import DEFAULT_MAX_AHEAD
 from tests import compat_models as compat
 from tests import models
 
@@ -63,6 +64,9 @@ class Case:
     #: ``trainer.save_checkpoint`` after ``fit`` (``final.ckpt``); under ``monarch`` an error when a
     #: worker callback adds to checkpoints (``tests/test_controller_callbacks.py``).
     save_after_fit: bool = True
+    #: The exception the run ends with, raised on a worker (under ``monarch`` a ``WorkerError``
+    #: naming it): then the logged rows and checkpoint files up to it are compared.
+    fails: Optional[type] = None
 
 
 CASES: dict[str, Callable[[Path], Case]] = {
@@ -143,10 +147,22 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "pruning": lambda out: Case(
         models.Classifier(), worker_callbacks=[ModelPruning("l1_unstructured", amount=0.3)], save_after_fit=False
     ),
+    # issue 15: the workers run ahead; what the controller's callbacks see and do must not change
+    "metric_views": lambda out: Case(
+        models.Classifier(), {"max_epochs": 1}, [compat.ViewsRecorder(), observe_only(compat.ViewsRecorder())]
+    ),
+    "controller_stops": lambda out: Case(models.Classifier(), {"max_epochs": 3}, [compat.StopAtStep(7)]),
     "prediction_writer": lambda out: Case(
         models.Classifier(), {"max_epochs": 1}, stages=("fit", "predict"),
         worker_callbacks=[compat.RankPredictionWriter(str(out / "predictions"))],
     ),
+}
+
+
+#: Cases that end with a worker's exception: their ``ddp`` reference runs apart (its rank 0 kills
+#: the other ranks' processes on the way out, which a following case would need).
+FAILING_CASES: dict[str, Callable[[Path], Case]] = {
+    "worker_fails": lambda out: Case(compat.FailsAtStep(6), {"max_epochs": 3}, fails=ValueError),
 }
 
 
@@ -281,15 +297,18 @@ def _trainer(strategy: str, out_dir: Path, case: Case, hosts: Any = None, **over
     )
 
 
-def run_case(name: str, strategy: str, out_dir: Path) -> Optional[dict[str, Any]]:
-    """Run case ``name`` with ``strategy`` on 2 CPU devices; return what the parity tests compare.
+def run_case(name: str, strategy: str, out_dir: Path, max_ahead: Optional[int] = DEFAULT_MAX_AHEAD) -> Optional[dict[str, Any]]:
+    """Run case ``name`` with ``strategy`` on 2 CPU devices (under ``monarch``, the workers up to
+    ``max_ahead`` batches ahead of the controller); return what the parity tests compare.
 
     Returns ``None`` on the non-zero ranks of ``ddp``.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     L.seed_everything(SEED)
-    case = {**CASES, **HOST_CASES, **SHARDED_CASES}[name](out_dir)
+    case = {**CASES, **FAILING_CASES, **HOST_CASES, **SHARDED_CASES}[name](out_dir)
     case.defaults = name in WITH_LIGHTNINGS_DEFAULTS
+    if strategy == "monarch" and max_ahead != DEFAULT_MAX_AHEAD:
+        case.monarch_options["max_ahead"] = max_ahead
     if strategy == "monarch" and case.hosts > 1:
         job = ProcessJob({"hosts": case.hosts})
         try:
@@ -305,6 +324,8 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
     trainer = _trainer(strategy, out_dir, case, hosts)
     results: dict[str, Any] = {}
     for stage in case.stages:
+        if stage == "fit" and case.fails is not None:
+            return _failed_run(trainer, model, datamodule, case, out_dir)
         if stage == "fit":
             trainer.fit(model, datamodule=datamodule, **case.loaders)
             if case.trainer.get("enable_checkpointing", True) and case.save_after_fit:
@@ -341,6 +362,21 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
         hparams=(logs / "hparams.yaml").read_text() if (logs / "hparams.yaml").exists() else None,
     )
     return results
+
+
+def _failed_run(trainer: L.Trainer, model: L.LightningModule, datamodule: Any, case: Case,
+                out_dir: Path) -> Optional[dict[str, Any]]:
+    """A run that ends with ``case.fails`` on a worker: what rank 0 logged up to it, and how it failed."""
+    try:
+        trainer.fit(model, datamodule=datamodule)
+    except (case.fails, WorkerError) as error:
+        failed = error.failure.exception_type if isinstance(error, WorkerError) else type(error).__name__
+    else:
+        raise AssertionError(f"the run did not fail with {case.fails.__name__}")
+    if not trainer.is_global_zero:
+        return None
+    logs = out_dir / "logs" / "version_0"
+    return {"failed": failed, "csv": (logs / "metrics.csv").read_text() if (logs / "metrics.csv").exists() else None}
 
 
 def _final_weights(trainer: L.Trainer, model: L.LightningModule) -> dict[str, Any]:

@@ -32,9 +32,9 @@ from monarch.actor import Actor, attach_to_workers, endpoint
 from monarch.job import ProcessJob
 
 from lightning_monarch.controller.hosts import HOSTS_MESH, reachable
-from lightning_monarch.controller.mesh import WorkerMesh, failed_rank
+from lightning_monarch.controller.mesh import Message, WorkerMesh, failed_rank
 from lightning_monarch.devices import VISIBILITY_VARS, pin
-from lightning_monarch.protocol import PreflightSpec, StageSpec, TrainerConfig, versions
+from lightning_monarch.protocol import PreflightSpec, RunAhead, StageSpec, TrainerConfig, versions
 from tests.models import Classifier
 from tests.test_hosts import closed_port
 
@@ -208,11 +208,11 @@ def test_two_gpu_workers_get_past_stage_start() -> None:
         fit_loop_state=L.Trainer(logger=False).fit_loop.state_dict(),
         trainer=TrainerConfig(accelerator="cuda", devices=2, num_nodes=1, precision="32-true",
                               process_group_backend="gloo", flags={}, ddp_kwargs={}),
-        loggers=[], sys_path=(), env={},
+        loggers=[], sys_path=(), env={}, run_ahead=RunAhead(max_ahead=0, sync={}, views=frozenset(), outputs=frozenset()),
     )
     mesh = WorkerMesh.spawn(2, gpu_indices=(0, 1))
     try:
-        mesh.start_stage(spec)  # a worker's failure to build its Trainer raises here
+        mesh.deliver(Message("start_stage", (spec,)))  # a worker's failure to build its Trainer raises here
     finally:
         mesh.stop()
 

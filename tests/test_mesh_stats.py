@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch import MeshStatsMonitor, MonarchStrategy
+from lightning_monarch.controller.channel import StageChannel
 from lightning_monarch.controller.mesh import WorkerMesh
 from lightning_monarch.controller.stats import StreakWatch, memory_bound, warn_missing_tools
 from lightning_monarch.protocol import RankStats
@@ -56,23 +57,27 @@ class Run:
     messages: Counter
 
 
-@pytest.fixture(
-    scope="module", params=[Classifier, WarmupClassifier], ids=["step-sent-without-waiting", "step-waited-for"]
-)
+@pytest.fixture(scope="module", params=[Classifier, WarmupClassifier], ids=["lightnings-step", "own-optimizer-step"])
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
-    """The same seeded fit with and without the monitor, with the messages each sent to the workers; for a
-    module whose step the controller sends without waiting (Lightning's own ``optimizer_step``) and for one
-    whose step it waits for (an overridden ``optimizer_step``)."""
+    """The same seeded fit with and without the monitor, with the messages each sent to the workers
+    and the gates where the workers waited for the controller; for a module with Lightning's own
+    ``optimizer_step`` and one with its own."""
     results = {}
     with pytest.MonkeyPatch.context() as patch:
         messages: Counter = Counter()
-        send = WorkerMesh._send
+        deliver, fetch = WorkerMesh.deliver, StageChannel.fetch
 
         def counted(mesh: WorkerMesh, message: Any) -> Any:
             messages[message.endpoint] += 1
-            return send(mesh, message)
+            return deliver(mesh, message)
 
-        patch.setattr(WorkerMesh, "_send", counted)
+        def synced(channel: StageChannel) -> list[Any]:
+            entries = fetch(channel)
+            messages.update(f"sync {entry.gate}" for entry in entries if entry.sync)
+            return entries
+
+        patch.setattr(WorkerMesh, "deliver", counted)
+        patch.setattr(StageChannel, "fetch", synced)
         for name, callbacks in (("plain", []), ("monitored", [MeshStatsMonitor(logging_interval=INTERVAL)])):
             messages.clear()
             L.seed_everything(SEED)
@@ -115,8 +120,9 @@ def test_the_workers_are_read_only_at_the_interval(runs: dict[str, Run]) -> None
     reads = EPOCHS * STEPS_PER_EPOCH // INTERVAL
     assert monitored["read_stats"] == 1 + reads, "one read per interval, and one at on_train_start"
     assert "read_stats" not in plain
-    # no gate waits for the monitor's hooks: besides its reads, at most the waiting burst leaves ahead of each
-    assert monitored["advance"] - plain["advance"] <= monitored["read_stats"], (plain, monitored)
+    # the workers wait for the monitor at its reads only: at the train start and at every interval's batch end
+    added = {gate: count - plain[gate] for gate, count in monitored.items() if gate.startswith("sync ") and count != plain[gate]}
+    assert added == {"sync callback.on_train_start": 1, "sync callback.on_train_batch_end": reads}, (plain, monitored)
 
 
 class StragglerClassifier(Classifier):

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
 
 from tests.conftest import run_ddp_reference
-from tests.parity_cases import CASES, comparable_checkpoint, run_case
+from lightning_monarch.strategy import DEFAULT_MAX_AHEAD
+from tests.parity_cases import CASES, FAILING_CASES, comparable_checkpoint, run_case
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -22,6 +23,14 @@ pytestmark = pytest.mark.timeout(900)
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_ddp_reference(tmp_path_factory.mktemp("ddp"), list(CASES))
+
+
+@pytest.fixture(scope="module")
+def ddp_failures(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("ddp-failures")
+    for case in FAILING_CASES:  # one reference process each: its rank 0 ends the other ranks' on failing
+        run_ddp_reference(directory, [case])
+    return directory
 
 
 def _files(root: Path, pattern: str) -> list[str]:
@@ -47,21 +56,45 @@ def assert_same(ours: Any, reference: Any, where: str = "") -> None:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_results_as_ddp(case: str, ddp_results: Path, tmp_path: Path) -> None:
-    ours = run_case(case, "monarch", tmp_path)
-    reference = torch.load(ddp_results / case / "results.pt", weights_only=False)
+    assert_same_as_ddp(case, ddp_results, tmp_path)
+
+
+#: Cases run again with other leads of the workers: lockstep, one batch, and no limit (a whole
+#: epoch), where the default lead is not the only one that must give ``ddp``'s results.
+OTHER_LEADS = ("plain", "hooks", "step_outputs", "stop_in_step", "early_stopping", "accumulation_scheduler",
+               "iterable_dataset", "loop_flags", "metric_views", "controller_stops", "manual_gan", "resume")
+
+
+@pytest.mark.parametrize("max_ahead", [0, 1, None], ids=["lockstep", "one-batch", "unbounded"])
+@pytest.mark.parametrize("case", OTHER_LEADS)
+def test_same_results_with_other_leads(case: str, max_ahead: Optional[int], ddp_results: Path, tmp_path: Path) -> None:
+    assert_same_as_ddp(case, ddp_results, tmp_path, max_ahead)
+
+
+@pytest.mark.parametrize("max_ahead", [4, 0])
+@pytest.mark.parametrize("case", list(FAILING_CASES))
+def test_a_worker_failure_leaves_what_ddp_leaves(case: str, max_ahead: int, ddp_failures: Path, tmp_path: Path) -> None:
+    """Rank 0 raises at step 6 while it runs ahead: the controller replays every entry before the
+    failure, then raises it, so the logged rows and checkpoints are those of ``ddp`` failing there."""
+    assert_same_as_ddp(case, ddp_failures, tmp_path, max_ahead)
+
+
+def assert_same_as_ddp(case: str, reference_dir: Path, tmp_path: Path, max_ahead: Any = DEFAULT_MAX_AHEAD) -> None:
+    ours = run_case(case, "monarch", tmp_path, max_ahead)
+    reference = torch.load(reference_dir / case / "results.pt", weights_only=False)
     assert ours is not None
     assert_same(ours, reference, case)
     written = _files(tmp_path, "**/*.ckpt")
-    assert written == _files(ddp_results / case, "**/*.ckpt")
+    assert written == _files(reference_dir / case, "**/*.ckpt")
     for name in written:
-        assert_same(comparable_checkpoint(tmp_path / name), comparable_checkpoint(ddp_results / case / name), name)
+        assert_same(comparable_checkpoint(tmp_path / name), comparable_checkpoint(reference_dir / case / name), name)
     predictions = _files(tmp_path, "predictions/*.pt")
-    assert predictions == _files(ddp_results / case, "predictions/*.pt")
+    assert predictions == _files(reference_dir / case, "predictions/*.pt")
     for name in predictions:
-        assert_same(torch.load(tmp_path / name), torch.load(ddp_results / case / name), name)
+        assert_same(torch.load(tmp_path / name), torch.load(reference_dir / case / name), name)
     max_epochs = {"early_stopping": 8, "configure_callbacks": 6, "min_epochs": 6, "min_steps": 6}
     if case in max_epochs:
         assert ours["current_epoch"] < max_epochs[case], "EarlyStopping on the controller stopped the workers early"
     if case == "hooks":
-        trace, reference_trace = (json.loads((path / "trace.json").read_text()) for path in (tmp_path, ddp_results / case))
+        trace, reference_trace = (json.loads((path / "trace.json").read_text()) for path in (tmp_path, reference_dir / case))
         assert trace == reference_trace

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_monarch import MeshFailureError, MonarchStrategy, WorkerTimeoutError
+from lightning_monarch import MeshFailureError, MonarchStrategy, WorkerTimeoutError, observe_only
 from tests.conftest import stray_workers, worker_processes
 from tests.models import Classifier
 
@@ -53,16 +53,22 @@ def _fit(out: Path, strategy: MonarchStrategy, callbacks: list[L.Callback]) -> t
 
 
 @pytest.mark.parametrize(
-    ("step", "origin"),
-    [(3, "the start of the stage"), (8, "the snapshot at the start of epoch 1")],  # 6 steps per epoch
+    ("step", "origin", "leading"),
+    [
+        (3, "the start of the stage", False),  # 6 steps per epoch
+        (8, "the snapshot at the start of epoch 1", False),
+        # the killer observes only: the workers are up to 4 batches ahead of it when it kills
+        (8, "the snapshot at the start of epoch 1", True),
+    ],
+    ids=["in epoch 0", "in epoch 1", "in epoch 1, workers 4 batches ahead"],
 )
 def test_killed_worker_is_replaced_and_the_run_ends_as_if_undisturbed(
-    tmp_path: Path, caplog: Any, step: int, origin: str
+    tmp_path: Path, caplog: Any, step: int, origin: str, leading: bool
 ) -> None:
     reference, reference_model = _fit(tmp_path / "undisturbed", MonarchStrategy(max_restarts=1), [])
-    killer = KillRank(rank=1, step=step)
-    with caplog.at_level(logging.WARNING, logger="lightning_monarch.controller.mesh"):
-        trainer, model = _fit(tmp_path / "killed", MonarchStrategy(max_restarts=1), [killer])
+    killer = observe_only(KillRank(rank=1, step=step)) if leading else KillRank(rank=1, step=step)
+    with caplog.at_level(logging.WARNING, logger="lightning_monarch.controller.channel"):
+        trainer, model = _fit(tmp_path / "killed", MonarchStrategy(max_restarts=1, max_ahead=4), [killer])
     assert killer.killed_at is not None and killer.resumed_at is not None
     assert trainer.strategy.restarts == 1 and reference.strategy.restarts == 0
     recovered = [record.getMessage() for record in caplog.records if "recovered" in record.getMessage()]

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -23,8 +22,9 @@ from typing import Any, Optional
 import lightning as L
 import psutil
 import torch
+from lightning.pytorch.callbacks import Checkpoint
 
-import lightning_monarch  # noqa: F401 - registers strategy="monarch"
+from lightning_monarch import MonarchStrategy, observe_only
 from lightning_monarch.benchmark.models import SIZES, BenchModel
 
 WARMUP_STEPS = 5
@@ -41,50 +41,62 @@ def peak_rss_mib(pid: Optional[int] = None) -> float:
 
 
 class StepClock(L.Callback):
-    """Records when each training batch ends; on the controller or on DDP's rank 0. Rank 0 writes
-    the times to the file ``BENCHMARK_CLOCK`` names when training ends."""
+    """Records when each training batch ends and writes the times to ``path`` when training ends,
+    on the global rank 0 of the Trainer it runs in: DDP's rank 0, or under ``monarch`` worker rank 0
+    (a worker callback, where the steps run) or the controller (declared observe-only, to time what
+    a user's controller callback sees)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str) -> None:
+        self.path = path
         self.batch_ends: list[float] = []
-        self.worker_peak_rss: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.batch_ends.append(time.perf_counter())
 
     def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
-        workers = [p for p in psutil.Process().children(recursive=True) if "bootstrap_main" in " ".join(p.cmdline())]
-        self.worker_peak_rss = [peak_rss_mib(p.pid) for p in workers] or [peak_rss_mib()]
         if trainer.is_global_zero:  # ddp_spawn's rank 0 is not the process that called fit
-            with open(os.environ["BENCHMARK_CLOCK"], "w") as handle:
-                json.dump({"batch_ends": self.batch_ends, "worker_peak_rss": self.worker_peak_rss}, handle)
+            with open(self.path, "w") as handle:
+                json.dump(self.batch_ends, handle)
 
 
 def step_seconds(batch_ends: list[float]) -> float:
-    """The median time between two training steps, after the warm-up."""
-    intervals = [b - a for a, b in zip(batch_ends[WARMUP_STEPS:], batch_ends[WARMUP_STEPS + 1 :])]
-    return statistics.median(intervals)
+    """The time per training step after the warm-up: the time the steady steps took, over their
+    count. A mean, not a median of intervals: a clock on the controller sees the workers' steps in
+    bursts, as their entries arrive, and the throughput is what matters."""
+    steady = batch_ends[WARMUP_STEPS:]
+    return (steady[-1] - steady[0]) / (len(steady) - 1)
 
 
-def timed_fit(mode: str, size: str, steps: int, out: str, accelerator: str = "cpu",
-              devices: int = 2) -> tuple[L.Trainer, BenchModel, dict[str, Any]]:
+def worker_peak_rss_mib() -> list[float]:
+    """The peak RSS of every Monarch worker process under this one, or this process's own (DDP's
+    rank 0, whose other ranks measure alike)."""
+    workers = [p for p in psutil.Process().children(recursive=True) if "bootstrap_main" in " ".join(p.cmdline())]
+    return [peak_rss_mib(p.pid) for p in workers] or [peak_rss_mib()]
+
+
+def timed_fit(mode: str, size: str, steps: int, out: str, accelerator: str = "cpu", devices: int = 2,
+              clock: str = "steps", callbacks: Sequence[L.Callback] = ()) -> tuple[L.Trainer, BenchModel, dict[str, Any]]:
     """One ``fit`` of ``steps`` steps of a model seeded alike in every mode; rank 0's clock
-    (written to ``out`` by ``StepClock``) when this is rank 0."""
-    os.environ["BENCHMARK_CLOCK"] = out
+    (written to ``out``) when this is rank 0. ``clock="steps"`` times the steps where they run;
+    ``"controller"`` times them on the controller under ``monarch``, with an observe-only callback.
+    ``callbacks`` run where Lightning runs them (on the controller under ``monarch``)."""
     torch.manual_seed(0)
     model = BenchModel(size, batches=steps + WARMUP_STEPS + 2)
+    timer = StepClock(out)
+    on_workers = mode == "monarch" and clock == "steps"
     trainer = L.Trainer(
-        strategy=mode, accelerator=accelerator, devices=devices, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0, callbacks=[StepClock()],
+        strategy=MonarchStrategy(worker_callbacks=[timer]) if on_workers else mode, accelerator=accelerator,
+        devices=devices, max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=any(isinstance(callback, Checkpoint) for callback in callbacks), num_sanity_val_steps=0,
+        limit_val_batches=0, callbacks=[*([] if on_workers else [observe_only(timer)]), *callbacks],
     )
     started = time.perf_counter()
     trainer.fit(model)
     measured: dict[str, Any] = {"fit_s": time.perf_counter() - started}
     if trainer.is_global_zero:
         with open(out) as handle:
-            clock = json.load(handle)
-        measured.update(first_step_s=clock["batch_ends"][0] - started, batch_ends=clock["batch_ends"],
-                        worker_peak_rss_mib=clock["worker_peak_rss"])
+            batch_ends = json.load(handle)
+        measured.update(first_step_s=batch_ends[0] - started, batch_ends=batch_ends, worker_peak_rss_mib=worker_peak_rss_mib())
     return trainer, model, measured
 
 

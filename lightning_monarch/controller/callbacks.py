@@ -69,10 +69,6 @@ _UNSUPPORTED = {
 #: Callbacks that must see the whole run once: on the controller only.
 _CONTROLLER_ONLY = (Checkpoint, EarlyStopping, ProgressBar, GradientAccumulationScheduler, MeshStatsMonitor)
 
-#: Controller callbacks that ask the workers for what they need in messages of their own, in order
-#: after the hook's burst: no gate waits for their hooks (L4).
-READS_WORKERS_ITSELF = (MeshStatsMonitor,)
-
 
 def check_controller_callbacks(callbacks: Iterable[Callback]) -> None:
     """Reject Trainer callbacks that cannot run on the controller, naming where they can run."""

@@ -6,15 +6,17 @@ device and turns worker failures into :class:`~lightning_monarch.errors.WorkerEr
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import io
 import logging
 import os
 import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional
+
+import torch
 
 # How often Monarch checks that worker processes are alive; its default (about 10 s) leaves a
 # controller waiting that long on a dead worker. Read when Monarch starts, so set before import.
@@ -25,24 +27,17 @@ from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionErr
 from monarch.actor import HostMesh, ProcMesh, this_host  # noqa: E402
 from monarch.spmd import setup_torch_elastic_env  # noqa: E402
 
-from lightning_monarch.controller.checkpoints import SnapshotDirectory  # noqa: E402
 from lightning_monarch.controller.hosts import host_count  # noqa: E402
 from lightning_monarch.controller.output import WorkerOutput  # noqa: E402
 from lightning_monarch.controller.watch import POLL_S, ProcessWatch  # noqa: E402
 from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError  # noqa: E402
 from lightning_monarch.protocol import (  # noqa: E402
-    Advance,
-    CheckpointState,
-    Finish,
-    ModuleAttributes,
-    Peek,
+    Entry,
+    Grant,
+    PredictionShard,
     PreflightSpec,
-    RankStats,
-    RankValue,
-    ResumePoint,
-    StageSpec,
+    RankStatus,
     WorkerFailure,
-    WorkerReply,
     WorkerReport,
 )
 from lightning_monarch.worker.actor import MonarchWorker  # noqa: E402
@@ -91,34 +86,35 @@ def failed_rank(report: str) -> Optional[int]:
     return rank
 
 
-def _by_rank(answers: list[Any]) -> list[Any]:
+def by_rank(answers: list[Any]) -> list[Any]:
     """Every rank's answer (each with a ``rank``), which arrive in any order, in rank order."""
     return sorted(answers, key=lambda answer: answer.rank)
 
 
+#: How often the controller asks the other ranks whether their stage failed while it waits for
+#: rank 0 (their own failure may be what keeps rank 0, blocked in a collective, from answering).
+_STATUS_S = 1.0
+
+
 @dataclass(frozen=True)
-class _Message:
-    """One message to the workers, kept in the stage's journal when restarts are allowed."""
+class Message:
+    """One message to the workers: an endpoint and its arguments (``controller.channel`` journals
+    them)."""
 
     endpoint: str
     args: tuple[Any, ...] = ()
-    #: ``False``: a fire-and-forget broadcast.
+    #: ``False``: a fire-and-forget broadcast, kept in order with every other message to a worker.
     wait: bool = True
     #: Sent to rank 0 only.
     rank0: bool = False
-    #: Whether a new mesh must receive it again to reach the same point: everything that moves or
-    #: changes the workers' state; not pure reads.
-    replay: bool = True
 
 
 class WorkerMesh:
     """Runs on the controller: one process per device on each host, each with a ``MonarchWorker``.
 
-    With restarts allowed (``start_stage(spec, max_restarts=k)``), it keeps the stage's messages in
-    a journal, restarted at every snapshot (``snapshot``). When a worker process dies or hangs, it
-    starts new processes, brings them to the last snapshot (or the stage's start), replays the
-    journal, which the workers recompute bit for bit as before, and sends the failed message again:
-    the controller's loop never sees the failure, and no step is lost or counted twice.
+    The transport of the workers' traffic: spawn, deliver a message, gather the answers, watch the
+    processes, stop. A worker's exception becomes ``WorkerError``; a dead or hung worker process
+    ``MeshFailureError``, which ``controller.channel`` recovers from when restarts are allowed.
     """
 
     def __init__(self, hosts: HostMesh, per_host: int, gpu_indices: Optional[tuple[int, ...]] = None,
@@ -132,13 +128,10 @@ class WorkerMesh:
         self._procs: Optional[ProcMesh] = None
         #: How long a message may wait for the workers before they count as hung; ``None`` waits.
         self.step_timeout: Optional[float] = None
-        #: How many times this stage restarted the mesh.
-        self.restarts = 0
-        self._restarts_left = 0
-        self._journal: Optional[list[_Message]] = None
         #: Whether ``lightning_monarch.preflight`` checked these workers.
         self.checked = False
-        self._burst: list[Advance] = []
+        #: A worker's death that ended rank 0's entries, raised by the next fetch after them.
+        self._death: Optional[MeshFailureError] = None
 
     @classmethod
     def spawn(cls, per_host: int, gpu_indices: Optional[tuple[int, ...]] = None, hosts: Optional[HostMesh] = None,
@@ -178,48 +171,12 @@ class WorkerMesh:
         #: Each rank's process ID, in rank order.
         self.pids = [self._watch.pids[rank] for rank in range(self.num_workers)]
 
-    def start_stage(self, spec: StageSpec, max_restarts: int = 0, snapshot_every_n_epochs: int = 1,
-                    snapshots: Optional[SnapshotDirectory] = None) -> None:
-        """Build every rank's Trainer for the stage ``spec`` describes (a failure raises). With
-        ``max_restarts`` > 0, a dead or hung worker is replaced up to that many times, from a
-        snapshot taken every ``snapshot_every_n_epochs`` training epochs: in this process's
-        memory, or for a sharded module, in ``snapshots``, where every rank writes its shards."""
-        self.restarts, self._restarts_left = 0, max_restarts
-        self._snapshot_every = snapshot_every_n_epochs
-        self._snapshots = snapshots
-        self._journal = [] if max_restarts > 0 else None
-        self._origin = "the start of the stage"
-        self._send(_Message("start_stage", (spec,)))
-
-    def snapshot(self, epoch: int) -> None:
-        """At :data:`~lightning_monarch.protocol.SNAPSHOT_GATE` of training epoch ``epoch``: when
-        restarts are allowed and the interval has come, read every rank's snapshot where the
-        workers are parked and start the journal anew from it, so that a recovery replays only the
-        messages since. Costs a checkpoint's worth of bytes from rank 0 per snapshot; for a sharded
-        module, every rank writes its shards into a new directory of the stage's ``snapshots``
-        instead, which then replaces the previous one."""
-        if self._journal is None or epoch == 0 or epoch % self._snapshot_every:
-            return
-        self.flush()
-        directory = self._snapshots.for_epoch(epoch) if self._snapshots is not None else None
-        ranks = _by_rank(self._send(_Message("snapshot", (directory,), replay=False)))
-        spec = self._journal[0].args[0]
-        resume = ResumePoint(
-            checkpoint=directory if directory is not None else ranks[0].checkpoint,
-            ranks=tuple(dataclasses.replace(snapshot, checkpoint=None) for snapshot in ranks),
-        )
-        self._journal = [_Message("start_stage", (dataclasses.replace(spec, resume=resume),))]
-        if self._snapshots is not None:
-            self._snapshots.keep(directory)
-        self._origin = f"the snapshot at the start of epoch {epoch}"
-
     def preflight(self, spec: PreflightSpec) -> list[WorkerReport]:
         """Every worker's check of itself (``worker.preflight``), in rank order."""
-        return _by_rank(self._gather(self._workers.preflight.stream(spec)))
+        return by_rank(self._gather(self._workers.preflight.stream(spec)))
 
     def end_stage(self) -> None:
         """Let every rank drop the finished stage's Trainer, module and data."""
-        self._journal = None
         self._gather(self._workers.end_stage.stream())
 
     def answers(self) -> bool:
@@ -230,95 +187,95 @@ class WorkerMesh:
             return False
         return True
 
-    def advance(self, command: Union[Advance, Peek, Finish]) -> Optional[list[WorkerReply]]:
-        """Move every rank's loop; wait for the replies unless it is a fire-and-forget ``Advance``.
-
-        Fire-and-forget commands wait in a burst that leaves with the next message (L4), so a
-        training step is a few messages, not one per hook. The first failing rank raises,
-        without waiting for the others.
-        """
-        self._burst.append(command)
-        if isinstance(command, Advance) and not command.wait:
+    def deliver(self, message: Message) -> Any:
+        """Send ``message``; unless it is fire-and-forget, every addressed rank's answer, in the
+        order they arrive (``_gather``)."""
+        endpoint = getattr(self._rank0 if message.rank0 else self._workers, message.endpoint)
+        if not message.wait:
+            endpoint.broadcast(*message.args)
             return None
-        burst, self._burst = self._burst, []
-        return _by_rank(self._send(_Message("advance", (burst,))))
+        return self._gather(endpoint.stream(*message.args))
 
-    def flush(self) -> None:
-        """Send the waiting burst now: ahead of a message that must see its effects, or so that
-        the workers start on it while the controller goes on."""
-        if self._burst:
-            burst, self._burst = self._burst, []
-            self._send(_Message("advance", (burst,), wait=False))
+    def fetch(self, progress: int) -> list[Entry]:
+        """Rank 0's next entries (R3); ``progress`` is how many rank 0 has sent so far. While rank 0
+        does not answer, the other ranks are asked every :data:`_STATUS_S` how far their stage got:
+        one that failed, or that stays behind, may be what holds rank 0 in a collective."""
+        if self._death is not None:
+            death, self._death = self._death, None
+            raise death
+        started = checked = time.monotonic()
+        future = self._rank0.fetch.call_one()
+        pending: list[Any] = []
+        statuses: dict[int, RankStatus] = {}
+        while True:
+            try:
+                answer = self._check(future.get(timeout=POLL_S))
+                break
+            except TimeoutError:
+                self._raise_if_dead()
+                pending = [status for status in pending if not self._took_status(status, statuses)]
+                self._raise_if_timed_out(started, self._ahead_of_the_rest(progress, statuses))
+                if time.monotonic() - checked >= _STATUS_S:
+                    checked = time.monotonic()
+                    pending.extend(self._workers.status.stream())
+            except SupervisionError as error:
+                self._raise_if_dead()
+                raise self._died(error) from error
+        entries = torch.load(io.BytesIO(answer), weights_only=False)
+        if entries and entries[-1].failure is not None:
+            try:
+                self._raise_if_a_death_caused(entries[-1].failure, self._workers.status.stream())
+            except MeshFailureError as death:
+                if len(entries) == 1:
+                    raise
+                # what rank 0 recorded before the death first, as a ddp run's rank 0 had it (R8)
+                self._death = death
+                return entries[:-1]
+        return entries
 
-    def read_metrics(self, view: str) -> dict[str, Any]:
-        """Rank 0's ``trainer.<view>``; every rank takes part, for metrics synced across ranks."""
-        return self._gathered_by_rank0(_Message("read_metrics", (view,)))
+    def _took_status(self, future: Any, statuses: dict[int, RankStatus]) -> bool:
+        """Take a status answer if it is there (raising the failure it reports); ``False`` if not yet."""
+        try:
+            status = future.get(timeout=0.001)
+        except TimeoutError:
+            return False
+        except SupervisionError as error:
+            self._raise_if_dead()
+            raise self._died(error) from error
+        if status.failure is not None:
+            self._raise_if_a_death_caused(status.failure, self._workers.status.stream())
+            raise WorkerError(status.failure)
+        statuses[status.rank] = status
+        return True
 
-    def collective(self, kind: str, view: str, key: str, options: dict[str, Any]) -> Any:
-        """Let every rank run ``trainer.strategy.<kind>(trainer.<view>[key], **options)`` on its own
-        value; rank 0's result."""
-        return self._gathered_by_rank0(_Message("collective", (kind, view, key, options)))
+    def _ahead_of_the_rest(self, progress: int, statuses: dict[int, RankStatus]) -> list[int]:
+        """The ranks that got further than the rest (by gates done), when the others have answered:
+        the ranks that stay behind are the ones to name if the wait times out."""
+        done = {0: progress, **{rank: status.gates for rank, status in statuses.items() if rank != 0}}
+        if len(done) < self.num_workers or len(set(done.values())) == 1:
+            return []
+        least = min(done.values())
+        return [rank for rank, gates in done.items() if gates > least]
 
-    def metric_on_every_rank(self, view: str, key: str) -> list[RankValue]:
-        """Every rank's ``trainer.<view>[key]``, in rank order."""
-        self.flush()
-        return _by_rank(self._send(_Message("metric", (view, key))))
+    def grant(self, batches: int) -> None:
+        """Tell every worker that the controller took ``batches`` batch starts (R4)."""
+        self._workers.grant.broadcast(Grant(batches))
 
-    def read_stats(self) -> list[RankStats]:
-        """Every rank's device, process and step-time stats (``worker.stats``), in rank order; a
-        pure read, never replayed on new workers."""
-        self.flush()
-        return _by_rank(self._send(_Message("read_stats", replay=False)))
+    def predictions(self) -> list[PredictionShard]:
+        """Every rank's predictions of the ended stage."""
+        shards = []
+        for answer in self.deliver(Message("predictions")):
+            shards.extend(torch.load(io.BytesIO(answer), weights_only=False))
+        return shards
 
-    def checkpoint_state(self) -> CheckpointState:
-        """Rank 0's model, optimizer and LR-scheduler state at the point the loop has reached."""
-        return self._call_rank0("checkpoint_state")
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """The sharded module's full state dict: every rank gathers, rank 0's comes back. A pure
-        read, never replayed on new workers."""
-        self._require_shards("Gather them", "`trainer.strategy.gather_full_state_dict()`")
-        return self._gathered_by_rank0(_Message("full_state_dict", replay=False))
-
-    def save_sharded_checkpoint(self, path: str, optimizers: bool) -> dict[str, Any]:
-        """Let every rank write its shards of the module's (and with ``optimizers``, the
-        optimizers') state into the directory ``path``, in parallel; return rank 0's worker
-        callbacks' state. Never replayed on new workers."""
-        self._require_shards("Save them", "`trainer.save_checkpoint(path)`")
-        return self._gathered_by_rank0(_Message("save_sharded_checkpoint", (path, optimizers), replay=False))
-
-    def _require_shards(self, action: str, call: str) -> None:
-        """Raise if this mesh, and the module's shards with it, was stopped."""
+    def require_processes(self, action: str, call: str) -> None:
+        """Raise if this mesh, and a sharded module's shards with it, was stopped."""
         if self._procs is None:
             raise RuntimeError(
                 "The worker mesh of that stage was stopped, and the module's shards with it (by"
                 " `MonarchStrategy(keep_warm=False)`, `lightning_monarch.stop_meshes()`, a failure, or a stage with"
                 f" other devices). {action} while the stage runs, e.g. in a callback's `on_fit_end`: {call}."
             )
-
-    def module_attributes(self) -> ModuleAttributes:
-        """Rank 0's module's public Python attributes, and why any others cannot travel."""
-        return self._call_rank0("module_attributes")
-
-    def module_children(self) -> dict[str, Any]:
-        """Rank 0's module's direct submodules."""
-        return self._call_rank0("module_children")
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """Run the worker callbacks' and module's ``on_save_checkpoint`` on rank 0; return the
-        checkpoint they edited."""
-        return self._call_rank0("on_save_checkpoint", checkpoint, replay=True)
-
-    def _gathered_by_rank0(self, message: _Message) -> Any:
-        """Send ``message`` to every rank after the waiting burst (each takes part, e.g. in a
-        collective) and return rank 0's answer, the only one that is not ``None``."""
-        self.flush()
-        return next(answer for answer in self._send(message) if answer is not None)
-
-    def _call_rank0(self, endpoint: str, *args: Any, replay: bool = False) -> Any:
-        """Call an endpoint on rank 0, after the waiting burst."""
-        self.flush()
-        return self._send(_Message(endpoint, args, rank0=True, replay=replay))[0]
 
     def stop(self, kill: bool = False) -> None:
         """Stop every worker process. Idempotent. ``kill`` first kills the processes on this host
@@ -334,51 +291,12 @@ class WorkerMesh:
         except Exception as error:  # the mesh may already be gone; stopping must not mask the cause
             log.warning("Stopping the worker mesh failed: %s", error)
 
-    # ----- delivery and recovery -------------------------------------------------------------
+    # ----- delivery ---------------------------------------------------------------------------
 
-    def _send(self, message: _Message) -> Any:
-        if message.replay and self._journal is not None:
-            self._journal.append(message)
-        while True:
-            try:
-                return self._deliver(message)
-            except MeshFailureError as failure:
-                self._recover(failure, self._journal[:-1] if message.replay and self._journal else self._journal)
-
-    def _deliver(self, message: _Message, replaying: bool = False) -> Any:
-        endpoint = getattr(self._rank0 if message.rank0 else self._workers, message.endpoint)
-        if not message.wait or (replaying and message.endpoint == "advance"):
-            endpoint.broadcast(*message.args)
-            return None
-        return self._gather(endpoint.stream(*message.args))
-
-    def _recover(self, failure: MeshFailureError, journal: Optional[list[_Message]]) -> None:
-        """Replace every worker process and replay ``journal`` on the new ones; raise ``failure``
-        when no restart is left."""
-        while True:
-            if journal is None or self._restarts_left <= 0:
-                raise failure
-            self._restarts_left -= 1
-            started = time.monotonic()
-            try:
-                self._replace_processes()
-                for message in journal:
-                    self._deliver(message, replaying=True)
-            except MeshFailureError as again:
-                failure = again
-                continue
-            self.restarts += 1
-            log.warning(
-                "lightning_monarch: recovered from a failure of worker rank(s) %s (%s): started %d new worker"
-                " processes and replayed %d messages from %s, in %.1f s (restart %d; %d left).",
-                list(failure.ranks) or "unknown", str(failure).split(":")[0], self.num_workers, len(journal),
-                self._origin, time.monotonic() - started, self.restarts, self._restarts_left,
-            )
-            return
-
-    def _replace_processes(self) -> None:
-        """Kill the old worker processes and start new ones in their place."""
+    def replace_processes(self) -> None:
+        """Kill the worker processes and start new ones in their place (``controller.channel``)."""
         self.stop(kill=True)
+        self._death = None
         self._start()
 
     def _gather(self, futures: Iterable[Any], timeout: Optional[float] = None) -> list[Any]:
@@ -397,13 +315,18 @@ class WorkerMesh:
             self._raise_if_dead()
             raise self._died(error) from error
         except WorkerError as error:
-            # a peer's death shows first as a survivor's collective error: on this host the process
-            # watch names it at once; on other hosts Monarch's supervision does, seconds later
-            self._raise_if_dead()
-            if not self._watch.watches_all and _PEER_LOST.search(error.failure.message):
-                self._raise_if_supervision_reports(pending)
+            self._raise_if_a_death_caused(error.failure, pending)
             raise
         return values
+
+    def _raise_if_a_death_caused(self, failure: WorkerFailure, pending: Iterable[Any]) -> None:
+        """Raise ``MeshFailureError`` if a worker's death caused ``failure``: a peer's death shows
+        first as a survivor's collective error. On this host the process watch names the dead rank
+        at once; on other hosts Monarch's supervision does, seconds later, in one of ``pending``
+        (answers not taken yet)."""
+        self._raise_if_dead()
+        if not self._watch.watches_all and _PEER_LOST.search(failure.message):
+            self._raise_if_supervision_reports(pending)
 
     def _raise_if_supervision_reports(self, pending: Iterable[Any]) -> None:
         """Wait up to :data:`_SUPERVISION_GRACE_S` for the ranks that have not answered; raise
@@ -441,17 +364,23 @@ class WorkerMesh:
                 return future.get(timeout=POLL_S)
             except TimeoutError:
                 self._raise_if_dead()
-                waited = time.monotonic() - started
-                if limit is not None and waited > limit:
-                    answered_ranks = {getattr(value, "rank", None) for value in answered}
-                    silent = tuple(rank for rank in range(self.num_workers) if rank not in answered_ranks)
-                    raise WorkerTimeoutError(
-                        f"Worker ranks {list(silent)} did not answer within {limit:g} s"
-                        f" (`MonarchStrategy(step_timeout={limit:g})`): their processes are alive but stuck,"
-                        " for example in a collective that a peer never joined. Raise `step_timeout` if a"
-                        " step legitimately takes longer.",
-                        silent,
-                    ) from None
+                self._raise_if_timed_out(started, {getattr(value, "rank", None) for value in answered}, limit)
+
+    def _raise_if_timed_out(self, started: float, answered: Iterable[Optional[int]],
+                            limit: Optional[float] = None) -> None:
+        """Raise ``WorkerTimeoutError`` once a wait that began at ``started`` passed ``limit`` (by
+        default ``step_timeout``), naming the ranks that did not answer (or did not get as far)."""
+        limit = self.step_timeout if limit is None else limit
+        if limit is None or time.monotonic() - started <= limit:
+            return
+        silent = tuple(rank for rank in range(self.num_workers) if rank not in set(answered))
+        raise WorkerTimeoutError(
+            f"Worker ranks {list(silent)} did not answer within {limit:g} s"
+            f" (`MonarchStrategy(step_timeout={limit:g})`): their processes are alive but stuck,"
+            " for example in a collective that a peer never joined. Raise `step_timeout` if a"
+            " step legitimately takes longer.",
+            silent,
+        )
 
     def _raise_if_dead(self) -> None:
         dead = tuple(self._watch.dead_ranks())
@@ -465,6 +394,4 @@ class WorkerMesh:
     def _check(value: Any) -> Any:
         if isinstance(value, WorkerFailure):
             raise WorkerError(value)
-        if isinstance(value, WorkerReply) and value.failure is not None:
-            raise WorkerError(value.failure)
         return value

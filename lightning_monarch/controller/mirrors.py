@@ -13,7 +13,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_monarch.protocol import CheckpointState, LoaderRef, OptimizerRef, SchedulerRef, WorkerReply
+from lightning_monarch.protocol import CheckpointState, LoaderRef, OptimizerRef, SchedulerRef
 
 StateSource = Callable[[], CheckpointState]
 
@@ -22,7 +22,7 @@ class OptimizerMirror(torch.optim.Optimizer):
     """Runs on the controller: a worker optimizer's param groups, without parameters.
 
     ``step(closure)`` runs the controller's closure as many times as the worker ran the real one,
-    so the controller's Lightning loop goes through the same hooks (L5). Subclasses named after
+    so the controller's Lightning loop goes through the same hooks (R7). Subclasses named after
     the worker's optimizer class are made per class, so loggers see ``lr-Adam`` as under DDP.
     """
 
@@ -105,26 +105,36 @@ class GradScalerMirror(torch.amp.GradScaler):
 
 
 class WorkerLoaders:
-    """Runs on the controller: what it knows of the workers' dataloaders, asked for when needed.
+    """Runs on the controller: what it knows of the workers' dataloaders, from rank 0's entries.
 
     Each worker shards its data with a ``DistributedSampler``, so lengths are known only after the
-    workers have built their loaders; a ``Peek`` lets them get that far (L3). A loader without a
-    length (an ``IterableDataset``) ends when rank 0's data fetcher finds it exhausted: the
-    controller's fetcher asks for batch ``i`` at the point where the workers' fetchers do too.
+    workers have built their loaders; an entry carries them as rank 0 read them on arriving at its
+    gate, and the controller's loop, which asks between gates, looks ahead at the next entry
+    (``peek``). A loader without a length (an ``IterableDataset``) ends when rank 0's data fetcher
+    finds it exhausted: the controller's fetcher asks for batch ``i`` where the workers' did.
     """
 
-    def __init__(self, peek: Callable[[], WorkerReply]) -> None:
+    def __init__(self, peek: Callable[[], None]) -> None:
         self._peek = peek
         self._lengths: dict[str, list[Optional[int]]] = {}
         self._fetched: dict[str, int] = {}
+        #: Stages whose loaders the workers rebuilt: their lengths are the next entry's.
+        self._stale: set[str] = set()
+
+    def update(self, lengths: Optional[dict[str, list[Optional[int]]]], fetched: Optional[dict[str, int]]) -> None:
+        """What an entry says of the loaders (``None``: unchanged since the last entry that said)."""
+        self._lengths.update(lengths or {})
+        self._fetched.update(fetched or {})
 
     def invalidate(self, stage: str) -> None:
-        """The workers are building new ``stage`` loaders; forget the old lengths."""
-        self._lengths.pop(stage, None)
+        """The workers are building new ``stage`` loaders: their lengths are those rank 0 reads on
+        arriving at its next gate."""
+        self._stale.add(stage)
 
     def length(self, stage: str, index: int) -> Optional[int]:
-        if stage not in self._lengths:
-            self._update()
+        if stage in self._stale or stage not in self._lengths:
+            self._peek()
+            self._stale.discard(stage)
         return self._lengths[stage][index]
 
     def start_epoch(self, stage: str) -> None:
@@ -134,13 +144,8 @@ class WorkerLoaders:
     def has_batch(self, stage: str, batch: int) -> bool:
         """Whether rank 0 fetched batch ``batch`` of its ``stage`` loader in this pass."""
         if self._fetched.get(stage, 0) <= batch:
-            self._update()
+            self._peek()
         return self._fetched.get(stage, 0) > batch
-
-    def _update(self) -> None:
-        reply = self._peek()
-        self._lengths.update(reply.loader_lengths or {})
-        self._fetched.update(reply.fetched_batches or {})
 
 
 class PlanLoader:

@@ -41,10 +41,16 @@ class WorkerOutput:
         it runs on a thread of its own, because a notebook's main thread already runs an event loop."""
         failure: list[BaseException] = []
 
+        async def stream_from_the_first_line() -> None:
+            await procs.logging_option(stream_to_client=True, aggregate_window_sec=self.aggregate_window_sec)
+            # The forwarders take the new mode in a message that nothing waits for: a line printed
+            # before it arrives is never shown. A flush goes to them after it, so once it returns
+            # they stream every line from the first one the workers print.
+            await procs._logging_manager.flush_async()
+
         def run() -> None:
             try:
-                asyncio.run(procs.logging_option(stream_to_client=True,
-                                                 aggregate_window_sec=self.aggregate_window_sec))
+                asyncio.run(stream_from_the_first_line())
             except BaseException as error:  # raised below, in the caller's thread
                 failure.append(error)
 

@@ -1,10 +1,16 @@
-"""The controller's side of the lockstep for one Trainer stage (L2-L5 in ``protocol``).
+"""The controller's side of a stage: Lightning's real loop here follows the workers' entries (R1-R8).
 
 Runs on the controller. A :class:`StageSession` puts gates on the user's LightningModule and
-LightningDataModule and a gate callback first in the Trainer's callbacks, so that the real
-Lightning loop running here drives the workers' loops hook by hook. User hooks never run here:
-at each gate the session sends an ``Advance`` and runs only Lightning's base implementation,
-fed with what the workers returned.
+LightningDataModule and a gate callback first in the Trainer's callbacks, so that Lightning's loop
+here meets the gates the workers met, in the same order. At each gate it takes rank 0's entry for
+it, applies what rank 0 recorded (control state, logger calls, hyperparameters, metric views), and
+runs only Lightning's base implementation of the hook, fed with the entry's result (R7). It
+releases the workers from a sync gate once the controller's callbacks there have run, with the
+control state they changed, and grants the workers credit as it takes their batches (R4, R5).
+
+It also wraps the controller's callbacks' hooks, to know which one is running: a read of live
+worker state or a change of control state where the workers did not wait is an error that names
+the callback, the hook and what it read or changed (R6).
 """
 
 from __future__ import annotations
@@ -19,66 +25,78 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_monarch import _compat
-from lightning_monarch.controller.callbacks import READS_WORKERS_ITSELF, check_controller_callbacks
+from lightning_monarch.controller.callbacks import check_controller_callbacks
+from lightning_monarch.controller.channel import StageChannel
 from lightning_monarch.controller.metrics import MetricOrigins, mirror_metrics
-from lightning_monarch.controller.mesh import WorkerMesh
 from lightning_monarch.controller.mirrors import OptimizerMirror, WorkerLoaders, optimizer_mirrors, plan_loaders
+from lightning_monarch.controller.plan import (
+    PLAN_GATES,
+    is_observe_only,
+    make_plan,
+    plateau_intervals,
+    saves_on_workers,
+    states_can_travel,
+)
 from lightning_monarch.controller.predictions import PredictionCollector
+from lightning_monarch.errors import DivergenceError, WorkerError
 from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.protocol import (
+    CALLBACK_HOOKS,
     DATAMODULE_HOOKS,
+    GATES,
     METRIC_VIEWS,
     MODULE_HOOKS,
-    RESULT_HOOKS,
+    OMITTED,
     SNAPSHOT_GATE,
-    Advance,
     CheckpointState,
-    Finish,
-    Peek,
+    Entry,
     RankStats,
-    WorkerReply,
+    Release,
+    RunAhead,
     control_state,
-    gate_id,
 )
 
 _BASES = {"module": LightningModule, "datamodule": LightningDataModule}
 
-#: Gates of a training batch whose only result is the step's outputs (automatic optimization).
-_STEP_GATES = frozenset({"module.optimizer_step", "module.training_step"})
-#: Callback hooks that Lightning calls inside a training step, with the loss or after it.
-_IN_STEP_CALLBACK_HOOKS = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
-
-
-class LockstepError(RuntimeError):
-    """The controller's loop and the workers' loops reached different hooks."""
-
 
 class StageSession:
-    """Runs on the controller: drives the workers through one stage in step with the local loop."""
+    """Runs on the controller: one stage, its loop following the workers' entries."""
 
-    def __init__(self, trainer: Trainer, mesh: WorkerMesh, module: LightningModule,
-                 datamodule: Optional[LightningDataModule], worker_callbacks: list[Callback],
-                 sharded: bool = False) -> None:
+    def __init__(self, trainer: Trainer, channel: StageChannel, module: LightningModule,
+                 datamodule: Optional[LightningDataModule], worker_callbacks: list[Callback], plan: RunAhead,
+                 snapshot_every_n_epochs: Optional[int] = None, sharded: bool = False) -> None:
         self._trainer = trainer
+        self._channel = channel
         #: Whether the workers shard the module (``parallelism="fsdp"``): its weights never come here.
         self._sharded = sharded
         self._worker_callbacks = worker_callbacks
-        self._mesh = mesh
         self._objects = {"module": module, "datamodule": datamodule}
         self._gate_callback = GateCallback(self.around)
-        self._wait: dict[str, bool] = {}
-        self._step_deferrable: Optional[bool] = None
-        self._deferred = False
-        self._unanswered = False
+        self._plan = plan
+        self._snapshot_every = snapshot_every_n_epochs
+        #: Entries fetched and not taken yet, and the last one taken.
+        self._entries: deque[Entry] = deque()
+        self._current: Optional[Entry] = None
+        self._released = True
+        #: The control state the workers go on with after the current entry (R5).
         self._control: dict[str, Any] = {}
+        self._views: Optional[dict[str, dict[str, Any]]] = None
+        self._batches_taken = 0
+        self._batches_granted = 0
         self._replay: Optional[deque[tuple[str, Any]]] = None
         # Results of hooks the workers ran inside another hook, for the controller to take when its
         # own loop calls that hook later (``estimated_stepping_batches`` in ``configure_optimizers``
         # makes a worker build its train dataloader early).
         self._ahead: dict[str, deque[Any]] = {}
         self._eval_outputs: deque[dict[str, Any]] = deque()
-        self._position = 0
-        self._state: Optional[tuple[int, CheckpointState]] = None
+        #: Rank 0's checkpoint state and the entry it belongs to (R5, R6).
+        self._state: Optional[tuple[Optional[Entry], CheckpointState]] = None
+        #: The controller callback whose hook runs now, and those that ran since the last gate.
+        self._calling: Optional[tuple[Callback, str]] = None
+        self._ran: list[tuple[Callback, str]] = []
+        self._attributed: set[int] = set()
+        self._undo: list[Callable[[], None]] = []
+        self._ended: Optional[Entry] = None
         self.loaders = WorkerLoaders(self.peek)
         self.predictions = PredictionCollector()
         #: Which metric each tensor of the controller's metric views stands for.
@@ -87,52 +105,44 @@ class StageSession:
 
     @contextmanager
     def installed(self) -> Iterator["StageSession"]:
-        """Gates, the metrics mirror and the gate callback for the duration of the stage."""
+        """Gates, the metrics mirror, the gate callback and the callback wrappers for the stage."""
         module, datamodule = self._objects["module"], self._objects["datamodule"]
-        undo = [install_hook_gates(module, "module", MODULE_HOOKS, self.around)]
+        self._undo = [install_hook_gates(module, "module", MODULE_HOOKS, self.around)]
         if datamodule is not None:
-            undo.append(install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, self.around))
-        if self._worker_callbacks or is_overridden("on_save_checkpoint", module, LightningModule):
-            undo.append(install_hook_gates(module, "checkpoint", ["on_save_checkpoint"], self._on_save_checkpoint))
-        undo.append(mirror_metrics(self._trainer, self))
+            self._undo.append(install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, self.around))
+        if saves_on_workers(module, self._worker_callbacks):
+            self._undo.append(install_hook_gates(module, "checkpoint", ["on_save_checkpoint"], self._on_save_checkpoint))
+        self._undo.append(mirror_metrics(self._trainer, self))
+        self._attribute(self._trainer.callbacks)
         self._trainer.callbacks.insert(0, self._gate_callback)
         try:
             yield self
         finally:
             self._trainer.callbacks.remove(self._gate_callback)
-            for step in reversed(undo):
+            for step in reversed(self._undo):
                 step()
 
     # ----- gates -----------------------------------------------------------------------------
 
     def around(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """Runs at every gated hook call on the controller (L2-L5)."""
+        """Runs at every gated hook call on the controller (R2, R3, R7)."""
         if self._replay is not None:
             return self._nested(gate, fn, args, kwargs)
         if self._ahead.get(gate):
             return self._materialize(gate, self._ahead[gate].popleft())
-        self._deferred = gate in _STEP_GATES and self._defers_step()
-        wait = not self._deferred and (self._must_wait(gate) or self._must_answer(gate))
-        replies = self._advance(Advance(gate, self._control_changes(), wait))
-        if self._deferred:
-            self._unanswered = True
-            self._mesh.flush()
-        if gate == SNAPSHOT_GATE:
-            self._mesh.snapshot(self._trainer.current_epoch)
-        self._replay = deque(replies[0].nested if replies else ())
+        self._leave()
+        entry = self._take(gate)
+        if gate == SNAPSHOT_GATE and entry.sync and self._snapshot_every is not None:
+            self._channel.snapshot(self._trainer.current_epoch)
+        self._replay = deque(entry.nested)
         try:
-            if replies is not None and gate == "callback.on_train_batch_end":
-                _fill_outputs(args[0], replies[0].result)
-            if gate in RESULT_HOOKS and replies is not None:
-                return self._result(gate, replies)
-            if self._deferred and gate == "module.training_step":
-                return _pending_loss()
+            if GATES[gate].result is not None:
+                return self._result(gate, entry.result)
             return self._base(gate, fn)(*args, **kwargs)
         finally:
             for nested_gate, value in self._replay:
                 self._ahead.setdefault(nested_gate, deque()).append(value)
             self._replay = None
-            self._deferred = False
 
     def _base(self, gate: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Lightning's own implementation of a gated hook, bound to the controller's object; for a
@@ -142,193 +152,288 @@ class StageSession:
 
     def _nested(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         assert self._replay is not None
-        if gate not in RESULT_HOOKS:
+        if GATES[gate].result is None:
             return self._base(gate, fn)(*args, **kwargs)
-        if self._deferred and gate == "module.training_step":
-            return _pending_loss()
         if not self._replay or self._replay[0][0] != gate:
             recorded = self._replay[0][0] if self._replay else "nothing"
-            raise LockstepError(f"The controller called `{gate}` inside a hook where the workers called {recorded}.")
+            raise DivergenceError(f"The controller called `{gate}` inside a hook where the workers called {recorded}.")
         return self._materialize(gate, self._replay.popleft()[1])
 
     def closure_runs(self) -> int:
         """How many times the workers ran the optimizer closure in the hook being replayed."""
-        if self._deferred:
-            return 1
         return sum(gate == "module.training_step" for gate, _ in self._replay or ())
 
-    def _must_wait(self, gate: str) -> bool:
-        """Whether the controller needs anything back from gate ``gate`` (L4): the result or the
-        effects of user code, or the state a controller callback on that hook may read (not one that
-        asks the workers itself, ``READS_WORKERS_ITSELF``). A hook the user did not override returns
-        what Lightning's base implementation returns here. A module hook also waits for the worker
-        callbacks of the same hook, which run just before it."""
-        if gate not in self._wait:
-            owner, hook = gate.split(".", 1)
-            if gate == "module.optimizer_step":
-                wait = True
-            elif owner in _BASES:
-                wait = is_overridden(hook, self._objects[owner], _BASES[owner]) or (
-                    owner == "module" and _any_overrides(hook, self._worker_callbacks)
-                )
-            else:
-                controller_callbacks = [
-                    cb for cb in self._trainer.callbacks
-                    if cb is not self._gate_callback and not isinstance(cb, READS_WORKERS_ITSELF)
-                ]
-                wait = _any_overrides(hook, controller_callbacks)
-            self._wait[gate] = wait
-        return self._wait[gate]
-
-    def _defers_step(self) -> bool:
-        """Whether a training step's ``optimizer_step`` (or, while gradients accumulate, its
-        ``training_step``) may go without waiting (L4): nothing on the controller needs the step's
-        outputs before the callbacks' ``on_train_batch_end``. That holds under automatic
-        optimization with Lightning's own ``optimizer_step``, optimizers that call the closure
-        once, no gradient scaler, and no controller callback on a hook inside the step."""
-        if self._step_deferrable is None:
-            module = self._objects["module"]
-            self._step_deferrable = (
-                module.automatic_optimization
-                and not is_overridden("optimizer_step", module, LightningModule)
-                and all(getattr(optimizer, "single_closure", False) for optimizer in self._trainer.optimizers)
-                and getattr(self._trainer.precision_plugin, "scaler", None) is None
-                and not any(self._must_wait(gate_id("callback", hook)) for hook in _IN_STEP_CALLBACK_HOOKS)
-            )
-        return self._step_deferrable
-
-    def _must_answer(self, gate: str) -> bool:
-        """A training batch whose step went unanswered gets its reply at its last gate, before the
-        controller's loop decides whether to go on: user code on the workers may have asked to stop."""
-        return gate == "module.on_train_batch_end" and self._unanswered
-
-    def _control_changes(self) -> dict[str, Any]:
-        """The control state the controller changed since it last took the workers' (L3)."""
-        current = control_state(self._trainer)
-        changes = {name: value for name, value in current.items() if self._control.get(name, _UNSET) != value}
-        self._control = current
-        return changes
-
-    def _result(self, gate: str, replies: list[WorkerReply]) -> Any:
-        if gate == "module.predict_step":
-            self.predictions.add([reply.result for reply in replies])
+    def _result(self, gate: str, value: Any) -> Any:
         if gate == "module.configure_callbacks":
-            check_controller_callbacks(_as_list(replies[0].result))
-        return self._materialize(gate, replies[0].result)
+            check_controller_callbacks(_as_list(value))
+        return self._materialize(gate, value)
 
     def _materialize(self, gate: str, value: Any) -> Any:
-        hook = gate.split(".", 1)[1]
-        if hook == "training_step":
-            return _trainable(value)
-        if hook == "predict_step":
-            return value.output
-        if hook == "configure_optimizers":
+        kind, hook = GATES[gate].result, gate.split(".", 1)[1]
+        if kind == "outputs" and hook == "training_step":
+            return _pending_loss() if value is OMITTED else _trainable(value)
+        if kind == "outputs":
+            return None if value is OMITTED else value
+        if kind == "optimizers":
             return optimizer_mirrors(value, self.closure_runs, self.checkpoint_state)
-        if hook.endswith("_dataloader"):
+        if kind == "loaders":
             return plan_loaders(value, hook.split("_", 1)[0], self.loaders)
         return value
 
-    # ----- messages --------------------------------------------------------------------------
+    # ----- entries ---------------------------------------------------------------------------
 
-    def _advance(self, command: Any) -> Optional[list[WorkerReply]]:
-        replies = self._mesh.advance(command)
-        self._position += 1
-        if replies:
-            self._apply(replies[0])
-        return replies
+    def _leave(self) -> None:
+        """The controller's loop leaves the current entry's gate: after a sync gate, release the
+        workers with the control state the controller's callbacks changed there (and the grown plan,
+        after ``configure_*``); elsewhere such a change is an error (R5, R6)."""
+        current = self._current
+        if current is None:
+            return
+        changes = {name: value for name, value in control_state(self._trainer).items() if self._control.get(name) != value}
+        if not self._released:
+            self._channel.release(Release(changes, self._grown_plan() if current.gate in PLAN_GATES else None))
+            self._released = True
+            self._control.update(changes)
+        elif changes:
+            ran = ", ".join(f"`{type(callback).__name__}.{hook}`" for callback, hook in self._ran) or "code on the controller"
+            raise DivergenceError(
+                f"{ran} changed {', '.join(f'`trainer.{name}`' for name in changes)} where the workers do not wait"
+                f" for the controller under strategy='monarch' (after `{current.gate}`), so they already went on"
+                " without it. A callback that steers the loop must not be declared observe-only"
+                " (`lightning_monarch.observe_only`): then the workers wait at each of its hooks."
+            )
 
-    def _apply(self, reply: WorkerReply) -> None:
+    def _take(self, gate: str) -> Entry:
+        """Rank 0's entry for ``gate``, applied (R3)."""
+        entry = self._next()
+        self._entries.popleft()
+        if entry.gate != gate:
+            raise DivergenceError(
+                f"The controller's loop reached `{gate}` but the workers' rank 0 recorded `{entry.gate}` there:"
+                " the two Lightning loops diverged. This is a bug in lightning_monarch, or a hook that changes"
+                " the loop's control flow differently on each side."
+            )
+        self._apply(entry)
+        if entry.checkpoint is not None:
+            self._state = (entry, entry.checkpoint)
+        self._current, self._released, self._ran = entry, not entry.sync, []
+        self._control = dict(entry.control)
+        if GATES[gate].batch_start:
+            self._batches_taken += 1
+            if self._batches_taken - self._batches_granted >= self._grant_step():
+                self._grant()
+        return entry
+
+    def _next(self) -> Entry:
+        """The next entry, fetched if none is waiting; the end of the stage raises its failure, or
+        an error if the controller's loop expected another gate."""
+        idle = 0
+        while not self._entries:
+            self._grant()
+            fetched = self._channel.fetch()
+            idle = 0 if fetched else idle + 1
+            if idle > 2:
+                raise DivergenceError("The workers wait for the controller, which waits for them: a bug in lightning_monarch."
+                                      f" (after {self._current.gate if self._current else None}, released={self._released})")
+            self._entries.extend(fetched)
+        entry = self._entries[0]
+        if entry.gate is None:
+            if entry.failure is not None:
+                raise WorkerError(entry.failure)
+            if self._ended is None:
+                raise DivergenceError("The workers' rank 0 finished the stage where the controller's loop goes on: the two"
+                                      " Lightning loops diverged.")
+        return entry
+
+    def _grant_step(self) -> int:
+        limit = self._plan.max_ahead
+        return max(1, limit // 2) if limit else 1 << 30
+
+    def _grant(self) -> None:
+        if self._plan.max_ahead and self._batches_taken > self._batches_granted:
+            self._batches_granted = self._batches_taken
+            self._channel.grant(self._batches_taken)
+
+    def _apply(self, entry: Entry) -> None:
         trainer = self._trainer
-        for name, value in reply.control.items():
+        for name, value in entry.control.items():
             setattr(trainer, name, value)
-        self._control = dict(reply.control)
-        self._unanswered = False
-        for call in reply.logger_calls:
+        for call in entry.logger_calls:
             logger = trainer.loggers[call.logger_index]
             target = logger.experiment if call.method.startswith("experiment.") else logger
             getattr(target, call.method.rsplit(".", 1)[-1])(*call.args, **call.kwargs)
             if call.method == "log_metrics":
                 logger.save()
-        for mirror, groups in zip(trainer.optimizers, reply.param_groups or ()):
+        for mirror, groups in zip(trainer.optimizers, entry.param_groups or ()):
             if isinstance(mirror, OptimizerMirror):  # not Lightning's stand-in when there is no optimizer
                 mirror.update_hyperparameters(groups)
-        if reply.manual_steps is not None:
-            _compat.manual_step_progress(trainer).load_state_dict(reply.manual_steps)
-        self._eval_outputs.extend(reply.eval_outputs)
+        if entry.manual_steps is not None:
+            _compat.manual_step_progress(trainer).load_state_dict(entry.manual_steps)
+        self._views = entry.views
+        self._arrive(entry)
 
-    def peek(self) -> WorkerReply:
-        """Let the workers run up to their next gate; return rank 0's reply."""
-        replies = self._advance(Peek())
-        assert replies is not None
-        return replies[0]
+    def _arrive(self, entry: Entry) -> None:
+        """Take what a worker read when it reached ``entry``'s gate (``Entry``'s arrival fields)."""
+        self._eval_outputs.extend(entry.eval_outputs)
+        entry.eval_outputs = []
+        self.loaders.update(entry.loader_lengths, entry.fetched_batches)
+
+    def peek(self) -> None:
+        """Let the workers run to their next gate, if they wait after the current one, and take what
+        they read on arriving there (dataloader lengths, evaluation results): the controller's loop
+        asks for it between two gates, after the current gate's callbacks ran."""
+        self._leave()
+        entry = self._next()
+        self._arrive(entry)
 
     def next_eval_outputs(self) -> dict[str, Any]:
         """The next value the workers' ``update_eval_epoch_metrics`` returned on rank 0."""
         if not self._eval_outputs:
             self.peek()
         if not self._eval_outputs:
-            raise LockstepError("The controller's evaluation loop ended an epoch that the workers did not end.")
+            raise DivergenceError("The controller's evaluation loop ended an epoch that the workers did not end.")
         return self._eval_outputs.popleft()
 
+    # ----- controller callbacks --------------------------------------------------------------
+
+    def _attribute(self, callbacks: list[Callback]) -> None:
+        """Wrap the hooks of the controller's ``callbacks``, to know which one runs."""
+        for callback in callbacks:
+            if callback is self._gate_callback or id(callback) in self._attributed:
+                continue
+            self._attributed.add(id(callback))
+            hooks = [hook for hook in CALLBACK_HOOKS if is_overridden(hook, callback, Callback)]
+            self._undo.append(install_hook_gates(callback, "controller", hooks, self._running(callback)))
+
+    def _running(self, callback: Callback) -> Callable[..., Any]:
+        def around(gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            previous, self._calling = self._calling, (callback, gate.split(".", 1)[1])
+            self._ran.append(self._calling)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._calling = previous
+
+        return around
+
+    def _grown_plan(self) -> Optional[RunAhead]:
+        """The plan with the callbacks ``configure_callbacks`` added and the ``ReduceLROnPlateau``
+        schedulers ``configure_optimizers`` returned; ``None`` if it did not change."""
+        self._attribute(self._trainer.callbacks)
+        callbacks = [callback for callback in self._trainer.callbacks if callback is not self._gate_callback]
+        plan = make_plan(callbacks, self._plan.max_ahead, self._snapshot_every,
+                         plateau_intervals(self._trainer.lr_scheduler_configs),
+                         states_can_travel(self._objects["module"], self._worker_callbacks, self._sharded))
+        if plan == self._plan:
+            return None
+        self._plan = plan
+        return plan
+
     @property
-    def worker_pids(self) -> list[int]:
-        """The process IDs of the workers, in rank order."""
-        return list(self._mesh.pids)
+    def parked(self) -> bool:
+        """Whether every worker waits after the gate the controller's loop is at (R5)."""
+        return self._current is not None and self._current.sync and not self._released
+
+    def _require_parked(self, what: str) -> None:
+        """Raise unless the workers wait at the controller's gate, or the stage has ended (R6)."""
+        if self.parked or self._ended is not None:
+            return
+        gate = self._current.gate if self._current is not None else "the start of the stage"
+        who = (f"`{type(self._calling[0]).__name__}.{self._calling[1]}`" if self._calling is not None
+               else "The controller's loop")
+        raise DivergenceError(
+            f"{who} reads {what} after `{gate}`, where the workers do not wait for the controller under"
+            " strategy='monarch': they have already moved on, and what they hold now belongs to a later batch."
+            + (" An observe-only callback (`lightning_monarch.observe_only`) may read only the metric views its"
+               " hooks are given; remove the declaration to make the workers wait at its hooks."
+               if self._calling is not None and is_observe_only(self._calling[0]) else "")
+        )
+
+    # ----- out-of-band requests (R5) ---------------------------------------------------------
 
     def read_metrics(self, view: str) -> dict[str, Any]:
-        """Rank 0's ``trainer.<view>`` at the point both loops have reached."""
-        values = self._mesh.read_metrics(view)
+        """Rank 0's ``trainer.<view>`` at the gate the controller's loop is at: from the entry where
+        it carries the views, else read from the workers parked there (R5, R6)."""
+        if self._views is not None:
+            values = self._views[view]
+        else:
+            self._require_parked(f"`trainer.{view}`")
+            values = self._channel.ask_rank0("read_metrics", view, replay=True, everyone=True)
         self.metric_origins.remember(view, values)
         return values
 
     def collective(self, kind: str, view: str, key: str, options: dict[str, Any]) -> Any:
-        """``trainer.strategy.<kind>`` run by every worker on its own ``trainer.<view>[key]``, where
-        both loops have reached; rank 0's result."""
-        return self._mesh.collective(kind, view, key, options)
+        """``trainer.strategy.<kind>`` run by every worker on its own ``trainer.<view>[key]``; rank 0's result."""
+        self._require_parked(f"`trainer.strategy.{kind}(...)` of `trainer.{view}[{key!r}]`")
+        return self._channel.ask_rank0("collective", kind, view, key, options, replay=True, everyone=True)
 
     def metric_on_every_rank(self, view: str, key: str) -> list[Any]:
-        """Every rank's ``trainer.<view>[key]``, in rank order, where both loops have reached."""
-        return [answer.value for answer in self._mesh.metric_on_every_rank(view, key)]
+        """Every rank's ``trainer.<view>[key]``, in rank order."""
+        self._require_parked(f"every rank's `trainer.{view}[{key!r}]`")
+        return [answer.value for answer in self._channel.ask_every_rank("metric", view, key)]
 
     def read_stats(self) -> list[RankStats]:
-        """Every rank's stats (``worker.stats``) at the point both loops have reached, in rank order."""
-        return self._mesh.read_stats()
+        """Every rank's stats (``worker.stats``), in rank order."""
+        self._require_parked("the workers' stats")
+        return self._channel.ask_every_rank("read_stats", replay=False)
 
     def checkpoint_state(self) -> CheckpointState:
-        """Rank 0's model, optimizer and scheduler state here; read once per loop position. After
-        a training stage, the state it ended with."""
+        """Rank 0's model, optimizer and scheduler state at the gate the controller's loop is at:
+        from the entry where it carries it, else read from the workers parked there, once per gate
+        (R5, R6). After a training stage, the state it ended with."""
         if self.final_state is not None:
             return self.final_state
-        if self._state is None or self._state[0] != self._position:
-            self._state = (self._position, self._mesh.checkpoint_state())
+        if self._state is None or self._state[0] is not self._current:
+            self._require_parked("the module's weights or the optimizers' state (a checkpoint)")
+            self._state = (self._current, self._channel.ask_rank0("checkpoint_state"))
         return self._state[1]
 
     def _on_save_checkpoint(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        self._require_parked("a checkpoint")
         checkpoint = args[0] if args else kwargs["checkpoint"]
-        edited = self._mesh.on_save_checkpoint(checkpoint)
+        edited = self._channel.ask_rank0("on_save_checkpoint", checkpoint, replay=True)
         checkpoint.clear()
         checkpoint.update(edited)
 
     def full_state_dict(self) -> dict[str, Any]:
-        """The sharded module's full state dict, gathered by the workers: where both loops have
-        reached during the stage, the final one after it (while the mesh keeps the shards)."""
-        return self._mesh.full_state_dict()
+        """The sharded module's full state dict, gathered by the workers: where they wait during the
+        stage, the final one after it (while the mesh keeps the shards)."""
+        self._require_parked("the sharded module's full weights")
+        self._channel.mesh.require_processes("Gather them", "`trainer.strategy.gather_full_state_dict()`")
+        return self._channel.ask_rank0("full_state_dict", everyone=True)
 
     def save_sharded_checkpoint(self, path: str, optimizers: bool) -> dict[str, Any]:
         """Let the workers write their shards into the directory ``path`` (``worker.checkpoints``),
-        where both loops have reached during the stage, the final ones after it; return rank 0's
-        worker callbacks' state."""
-        return self._mesh.save_sharded_checkpoint(path, optimizers)
+        where they wait during the stage, the final ones after it; return rank 0's worker callbacks' state."""
+        self._require_parked("a sharded checkpoint")
+        self._channel.mesh.require_processes("Save them", "`trainer.save_checkpoint(path)`")
+        return self._channel.ask_rank0("save_sharded_checkpoint", path, optimizers, everyone=True)
 
-    def finish(self, trained: bool) -> None:
-        """Let the workers finish the stage; take their final metrics and rank 0's module attributes,
-        and after training their final state, which the controller's module then holds. A sharded
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process IDs of the workers, in rank order."""
+        return list(self._channel.mesh.pids)
+
+    # ----- the end of the stage --------------------------------------------------------------
+
+    def finish(self, stage: str) -> None:
+        """The controller's loop finished ``stage``: take the workers' end of it (nothing may follow),
+        their final metrics and rank 0's module attributes, after training their final state, which
+        the controller's module then holds, and after predicting every rank's predictions. A sharded
         module's weights stay on the workers: the controller's module goes to the meta device."""
-        self._advance(Finish())
+        self._leave()
+        self._ended = Entry(None)  # from here the controller's loop expects no gate
+        entry = self._next()
+        if entry.gate is not None:
+            raise DivergenceError(f"The workers' rank 0 recorded `{entry.gate}` after the controller's loop ended"
+                                  " the stage: the two Lightning loops diverged.")
+        self._apply(entry)
+        self._current, self._views = None, None
+        self._channel.close()
         for view in METRIC_VIEWS:
             getattr(self._trainer, view)
         module = self._objects["module"]
-        attributes = self._mesh.module_attributes()
+        attributes = self._channel.ask_rank0("module_attributes")
         vars(module).update(attributes.values)
         if attributes.dropped:
             reasons = "; ".join(f"`{name}` ({why})" for name, why in sorted(attributes.dropped.items()))
@@ -338,35 +443,23 @@ class StageSession:
                 " the module of a `ddp` script's rank 0 would have them, but not these: it keeps its own. Make"
                 " them picklable, or keep them out of the public attributes (a name that starts with `_`)."
             )
-        if trained and self._sharded:
+        if stage == "predict":
+            self.predictions.add(self._channel.mesh.predictions())
+        if stage == "fit" and self._sharded:
             module.to("meta")
-        elif trained:
-            self.final_state = self._mesh.checkpoint_state()
+        elif stage == "fit":
+            self.final_state = self._channel.ask_rank0("checkpoint_state")
             if set(self.final_state.model) != set(module.state_dict()):
                 # ``configure_model`` changed the module on the workers (compiled, wrapped or grew
                 # layers): the controller's module takes rank 0's submodules, as DDP's rank 0 has them.
-                for name, child in self._mesh.module_children().items():
+                for name, child in self._channel.ask_rank0("module_children").items():
                     setattr(module, name, child)
             module.load_state_dict(self.final_state.model)
 
 
-_UNSET = object()
-
-
-def _any_overrides(hook: str, callbacks: list[Callback]) -> bool:
-    return hasattr(Callback, hook) and any(is_overridden(hook, callback, Callback) for callback in callbacks)
-
-
-def _fill_outputs(outputs: Any, worker_outputs: Any) -> None:
-    """Give the controller's ``on_train_batch_end`` callbacks the batch outputs that rank 0
-    computed, in the dict that Lightning passes them, before any of them runs."""
-    if isinstance(outputs, dict) and isinstance(worker_outputs, dict):
-        outputs.clear()
-        outputs.update(worker_outputs)
-
-
 def _pending_loss() -> torch.Tensor:
-    """The loss of a training step whose result the workers send later (L4)."""
+    """The loss of a training step whose outputs no controller callback reads (R6): the controller's
+    loop needs one to go through backward as the workers did."""
     return torch.zeros((), requires_grad=True)
 
 

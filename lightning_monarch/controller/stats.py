@@ -63,12 +63,14 @@ class MeshStatsMonitor(Callback):
     a streak of reads is what makes it a pattern.
 
     **Cost.** One read of every worker per ``logging_interval`` steps, plus one at
-    ``on_train_start`` (it starts the workers' step timers); nothing per step: no gate waits for
-    this callback's hooks. A read goes after the step's messages, in order, and is served where
-    the workers' loops are parked: a round trip (about 2 ms for 2 CPU workers on a 2-core host),
-    each worker's reads (psutil's take microseconds, NVML or amdsmi a few milliseconds) and, on a
-    GPU, a wait for the last timed batch's forward pass to finish on the device. Training itself
-    is unchanged: the weights and metrics are bit for bit those of a run without the monitor.
+    ``on_train_start`` (it starts the workers' step timers). At those batches, and only there, the
+    workers park at ``on_train_batch_end`` until the controller's loop has replayed up to them and
+    read them (a sync gate, see ``docs/architecture.md``); between reads they run ahead of the
+    controller as without the monitor. A read costs a round trip (about 2 ms for 2 CPU workers on
+    a 2-core host), each worker's reads (psutil's take microseconds, NVML or amdsmi a few
+    milliseconds) and, on a GPU, a wait for the last timed batch's forward pass to finish on the
+    device. Training itself is unchanged: the weights and metrics are bit for bit those of a run
+    without the monitor.
 
     Args:
         logging_interval: log every this many training steps; a whole number >= 1.

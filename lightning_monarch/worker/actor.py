@@ -2,12 +2,15 @@
 
 Runs in each worker process. Its endpoints never raise: a raising endpoint that the controller
 sent fire-and-forget would reach Monarch's supervision, whose default kills the controller.
-Failures travel back as :class:`WorkerFailure` values instead.
+Failures travel back as :class:`WorkerFailure` values instead. Monarch runs one endpoint at a time:
+only ``fetch`` waits (for rank 0's next entry), and it returns whenever the loop waits for the
+controller, so that the grants and releases queued behind it are never blocked.
 """
 
 from __future__ import annotations
 
 import gc
+import io
 import os
 import socket
 from typing import Any, Callable, Optional, Union
@@ -16,18 +19,17 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from lightning_monarch.protocol import (
-    Advance,
     CheckpointState,
-    Finish,
+    Grant,
     ModuleAttributes,
-    Peek,
     PreflightSpec,
     RankSnapshot,
     RankStats,
+    RankStatus,
     RankValue,
+    Release,
     StageSpec,
     WorkerFailure,
-    WorkerReply,
     WorkerReport,
 )
 from lightning_monarch.worker.checkpoints import save_shards
@@ -80,7 +82,7 @@ class MonarchWorker(Actor):
 
     @endpoint
     def start_stage(self, spec: StageSpec) -> Optional[WorkerFailure]:
-        """Build this rank's Trainer for a new stage; the loop starts with the first message."""
+        """Build this rank's Trainer for a new stage and start its loop, which runs ahead (R4)."""
         if self._stage is not None:
             self._stage.join(timeout=5.0)
         self._shards = None
@@ -88,15 +90,42 @@ class MonarchWorker(Actor):
             self._stage = build_stage(spec, self._rank)
         except BaseException as error:
             return self._failure(error, "start of the stage")
+        self._stage.start()
         return None
 
     @endpoint
-    def advance(self, commands: list[Union[Advance, Peek, Finish]]) -> WorkerReply:
-        """Move this rank's loop as the controller's loop moved (L3), one burst of commands."""
+    def fetch(self) -> Union[bytes, WorkerFailure]:
+        """Rank 0's entries since the last fetch (R3), as ``torch.save`` bytes; waits for one."""
         if self._stage is None:
-            error = RuntimeError("No stage was started on this worker before its first step.")
-            return WorkerReply(rank=self._rank, failure=self._failure(error, None))
-        return self._stage.submit(commands)
+            return self._failure(RuntimeError("No stage was started on this worker before its first fetch."), None)
+        return self._stage.fetch()
+
+    @endpoint
+    def grant(self, grant: Grant) -> None:
+        """The controller took ``grant.batches`` batch starts (R4)."""
+        if self._stage is not None:
+            self._stage.grant(grant)
+
+    @endpoint
+    def release(self, release: Release) -> None:
+        """Leave the sync gate this rank is parked at, or will park at next (R5)."""
+        if self._stage is not None:
+            self._stage.release(release)
+
+    @endpoint
+    def status(self) -> RankStatus:
+        """How far this rank's stage got, and why it failed, if it did; answered at once: the
+        controller asks while it waits for rank 0."""
+        return self._stage.status() if self._stage is not None else RankStatus(self._rank, 0)
+
+    @endpoint
+    def predictions(self) -> Union[bytes, WorkerFailure]:
+        """This rank's predictions of the ended stage with their dataset indices, as ``torch.save`` bytes."""
+        if self._stage is None:
+            return self._failure(RuntimeError("No stage has run on this worker."), "predictions")
+        buffer = io.BytesIO()
+        torch.save(self._stage.predictions(), buffer)
+        return buffer.getvalue()
 
     @endpoint
     def read_metrics(self, view: str) -> Union[Optional[dict[str, Any]], WorkerFailure]:

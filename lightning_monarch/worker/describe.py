@@ -7,6 +7,7 @@ dataloaders cannot leave the worker, so they travel as descriptions (``Optimizer
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -14,21 +15,36 @@ from lightning.pytorch import Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.optim import Optimizer
 
-from lightning_monarch.protocol import LoaderRef, OptimizerRef, PredictionShard, SchedulerRef
+from lightning_monarch.protocol import GATES, OMITTED, LoaderRef, OptimizerRef, PredictionShard, RunAhead, SchedulerRef
 from lightning_monarch import _compat
 
 
 def to_cpu(value: Any) -> Any:
-    """Detached CPU copies of every tensor in ``value``."""
+    """Every tensor in ``value`` detached and on the CPU (a tensor already there is not copied)."""
     return apply_to_collection(value, torch.Tensor, lambda t: t.detach().cpu())
 
 
-def describe_result(gate: str, result: Any, trainer: Trainer, args: tuple) -> Any:
-    """What the controller receives for the result of gate ``gate``."""
-    owner, hook = gate.split(".", 1)
-    if hook in ("training_step", "validation_step", "test_step"):
-        return to_cpu(result)
-    if hook == "predict_step":
+def cpu_copy(value: Any) -> Any:
+    """A deep copy of ``value`` with every tensor a detached CPU copy, copied once: nothing in it
+    changes as training goes on (a staged checkpoint state, R6)."""
+    copies: dict[int, Any] = {}
+
+    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        copied = tensor.detach().to("cpu", copy=True)
+        copies[id(copied)] = copied
+        return copied
+
+    return copy.deepcopy(apply_to_collection(value, torch.Tensor, copy_tensor), memo=copies)
+
+
+def describe_result(gate: str, result: Any, trainer: Trainer, args: tuple, plan: RunAhead) -> Any:
+    """What the controller receives of the result of gate ``gate``, by the gate table's ``result``
+    kind (``protocol.GATES``): a step's outputs only where the plan says a controller callback may
+    read them (else ``OMITTED``, for which the controller puts a placeholder loss), detached on the CPU."""
+    kind = GATES[gate].result
+    if kind == "outputs":
+        return to_cpu(result) if gate in plan.outputs or result is None else OMITTED
+    if kind == "prediction":
         batch_idx = args[1]
         dataloader_idx = args[2] if len(args) > 2 else 0
         return PredictionShard(
@@ -36,12 +52,10 @@ def describe_result(gate: str, result: Any, trainer: Trainer, args: tuple) -> An
             batch_indices=_compat.predict_batch_indices(trainer, batch_idx, dataloader_idx),
             dataloader_idx=dataloader_idx,
         )
-    if hook == "configure_optimizers":
+    if kind == "optimizers":
         return _describe_optimizers(result)
-    if hook.endswith("_dataloader"):
+    if kind == "loaders":
         return LoaderRef.describe(result)
-    if gate == "callback.on_train_batch_end":
-        return to_cpu(args[0])  # the batch's outputs, which the controller had to leave pending
     return result
 
 

@@ -1,119 +1,166 @@
-"""The worker's half of the lockstep: Lightning's real stage on a loop thread that parks at gates.
+"""The worker's half of the protocol: Lightning's real stage on a loop thread that runs ahead of the
+controller, records what the controller needs at every gate, and waits only where it must (R3-R5).
 
-Runs in each worker process. The Monarch endpoint thread hands each controller message to the
-loop thread and waits for its answer; the loop thread runs ``Trainer.fit`` (or ``validate``,
-``test``, ``predict``) until the next gate, answers, and parks (L3). Keeping the whole stage on
-one thread keeps torch's thread-local state (grad mode, autocast, the current CUDA device)
-consistent, and running only while a message is being served keeps the worker deterministic.
+Runs in each worker process. The loop thread runs ``Trainer.fit`` (or ``validate``, ``test``,
+``predict``) from the moment the stage starts. At each gate it runs the hook, and rank 0 records an
+``Entry`` for the controller, which fetches them in bulk; before the first gate of a batch it
+waits if it is ``max_ahead`` batches ahead of the last one the controller took, and after a sync
+gate it parks until the controller releases it, serving the controller's out-of-band requests
+(checkpoint state, metrics, stats) meanwhile. Keeping the whole stage on one thread keeps torch's
+thread-local state (grad mode, autocast, the current CUDA device) consistent.
+
+The endpoint thread (Monarch's) and the loop thread share the state under one condition variable:
+the endpoint thread hands over grants, releases and out-of-band requests, and takes the entries.
 """
 
 from __future__ import annotations
 
-import queue
+import io
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
+import torch
 from lightning.pytorch import Trainer
 
+from lightning_monarch.errors import DivergenceError
 from lightning_monarch.protocol import (
-    RESULT_HOOKS,
+    GATES,
+    MAX_STAGED_STATES,
     SNAPSHOT_GATE,
-    Advance,
-    Finish,
-    Peek,
+    Entry,
+    Grant,
+    PredictionShard,
     RankSnapshot,
+    RankStatus,
+    Release,
+    RunAhead,
     WorkerFailure,
-    WorkerReply,
-    control_state,
 )
 from lightning_monarch.worker.describe import describe_result, worker_side_result
 from lightning_monarch.worker.state import StateReader
 
-Command = Union[Advance, Peek, Finish]
-
-
-class LockstepError(RuntimeError):
-    """The controller's loop and a worker's loop reached different hooks (L1 was broken)."""
-
 
 @dataclass
 class _OutOfBand:
-    """A request served on the loop thread while it is parked, without moving the loop."""
+    """A request the loop thread serves while parked (R5): ``fn``'s value or error, when ``done``."""
 
     fn: Callable[[], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    value: Any = None
+    error: Optional[BaseException] = None
 
 
 class StageLoop:
-    """Runs in each worker: one Trainer stage, advanced gate by gate by the controller's messages."""
+    """Runs in each worker: one Trainer stage, run ahead of the controller (R4)."""
 
-    def __init__(self, trainer: Trainer, run: Callable[[], Any], rank: int, reader: StateReader,
-                 resume: Optional[RankSnapshot] = None, skipped: frozenset[str] = frozenset()) -> None:
+    def __init__(self, trainer: Trainer, run: Callable[[], Any], rank: int, reader: StateReader, plan: RunAhead,
+                 resume: Optional[RankSnapshot] = None) -> None:
         self._trainer = trainer
-        #: Rank-local gates (``RANK_LOCAL_HOOKS``) that Lightning never calls on this rank.
-        self._skipped = skipped
-        #: Set while a replacement worker catches up (``protocol.ResumePoint``).
-        self._resume = resume
         self._run = run
         self._rank = rank
         self._reader = reader
-        self._inbox: queue.Queue[Union[Command, _OutOfBand]] = queue.Queue()
-        self._outbox: queue.Queue[Any] = queue.Queue()
+        self._plan = plan
+        #: Set while a replacement worker catches up to the snapshot (``protocol.ResumePoint``).
+        self._resume = resume
+        self._cond = threading.Condition()
+        #: Releases and out-of-band requests, in the order the controller sent them.
+        self._inbox: deque[Union[Release, _OutOfBand]] = deque()
+        #: Rank 0's entries that the controller has not fetched yet.
+        self._entries: list[Entry] = []
+        #: Whether the loop thread waits: parked at a sync gate, or for credit before a batch.
+        self._parked = False
+        self._credit_waiting = False
+        self._ended: Optional[Entry] = None
+        #: Batch starts this stage (R4), and how many of them the controller has taken.
+        self._started = 0
+        self._taken = 0
+        #: Gates run this stage (the controller compares ranks with it when one seems stuck).
+        self._gates = 0
+        self._predictions: list[PredictionShard] = []
         self._thread: Optional[threading.Thread] = None
-        self._command: Optional[Command] = None
-        self._pending: deque[Command] = deque()
         self._depth = 0
         self._nested: list[tuple[str, Any]] = []
         self._gate: Optional[str] = None
         self._failed_gate: Optional[str] = None
         self._free_running = False
-        self._ended: Optional[WorkerReply] = None
 
     # ----- endpoint thread -------------------------------------------------------------------
 
-    def submit(self, commands: list[Command]) -> WorkerReply:
-        """Runs on the endpoint thread: serve one controller message, a burst of loop commands run
-        back to back (L4), and return the answer to the last one."""
-        if self._ended is not None:
-            return self._answer_after_end(commands)
-        if self._thread is None:
-            self._pending.extend(commands[1:])
-            self._thread = threading.Thread(
-                target=self._main, args=(commands[0],), name="lightning-monarch-loop", daemon=True
-            )
-            self._thread.start()
-        else:
-            self._inbox.put(commands)
-        last = commands[-1]
-        if isinstance(last, Advance) and last.hook in self._skipped:
-            # Answered now, while the loop moves on: before its next gate it may wait in a barrier
-            # (Lightning's around ``prepare_data``) for the ranks that run the hook.
-            return WorkerReply(rank=self._rank, hook=last.hook, skipped=True)
-        return self._outbox.get()
+    def start(self) -> None:
+        """Runs on the endpoint thread: start the stage's loop thread."""
+        self._thread = threading.Thread(target=self._main, name="lightning-monarch-loop", daemon=True)
+        self._thread.start()
+
+    def fetch(self) -> bytes:
+        """Runs on the endpoint thread, rank 0: the entries recorded since the last fetch, as
+        ``torch.save`` bytes (one serialization for the lot). Waits until there is one, or the loop
+        waits for the controller, or the stage ended (then the end entry comes last)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._entries or self._stuck() or self._ended is not None)
+            entries, self._entries = self._entries, []
+            self._cond.notify_all()  # rank 0 may wait to stage a checkpoint state (R6)
+            if self._ended is not None:
+                entries.append(self._ended)
+        buffer = io.BytesIO()
+        torch.save(entries, buffer)
+        return buffer.getvalue()
+
+    def _stuck(self) -> bool:
+        """Whether the loop thread waits for something only the controller can send (under the
+        lock): a release, parked at a sync gate, or credit, before a batch."""
+        if self._parked:
+            return not any(isinstance(item, Release) for item in self._inbox)
+        return self._credit_waiting and self._started >= self._taken + (self._plan.max_ahead or 0)
+
+    def grant(self, grant: Grant) -> None:
+        """Runs on the endpoint thread: the controller took ``grant.batches`` batch starts."""
+        with self._cond:
+            self._taken = max(self._taken, grant.batches)
+            self._cond.notify_all()
+
+    def release(self, release: Release) -> None:
+        """Runs on the endpoint thread: leave the sync gate this rank is parked at, or will park at
+        next (a rank behind the others gets it early)."""
+        with self._cond:
+            self._inbox.append(release)
+            self._cond.notify_all()
 
     def out_of_band(self, fn: Callable[[], Any]) -> Any:
-        """Runs on the endpoint thread: run ``fn`` on the parked loop thread and return its value.
-
-        Used for checkpoint state, which must be read where the stage's tensors live, at the
-        point the loop has reached. Once the stage has ended, ``fn`` runs here directly.
-        """
-        if self._ended is not None and self._ended.failure is not None:
-            raise RuntimeError(f"The stage failed on rank {self._rank}: {self._ended.failure.message}")
-        if self._thread is None or self._ended is not None:
+        """Runs on the endpoint thread: ``fn``'s value, run on the loop thread where it is parked at
+        the sync gate the controller is at (R5), or here once the stage has ended."""
+        request = _OutOfBand(fn)
+        with self._cond:
+            ended = self._ended
+            if ended is None:
+                self._inbox.append(request)
+                self._cond.notify_all()
+        if ended is not None:
+            if ended.failure is not None:
+                raise RuntimeError(f"The stage failed on rank {self._rank}: {ended.failure.message}")
             return fn()
-        self._inbox.put(_OutOfBand(fn))
-        value, error = self._outbox.get()
-        if error is not None:
-            raise error
-        return value
+        request.done.wait()
+        if request.error is not None:
+            raise request.error
+        return request.value
+
+    def status(self) -> RankStatus:
+        """Runs on the endpoint thread: how far this rank's stage got, and why it failed, if it did."""
+        with self._cond:
+            return RankStatus(self._rank, self._gates, self._ended.failure if self._ended is not None else None)
+
+    def predictions(self) -> list[PredictionShard]:
+        """This rank's predictions with their dataset indices, once the stage has ended."""
+        self.join(timeout=None)
+        return self._predictions
 
     @property
     def reader(self) -> StateReader:
         """What this rank can tell the controller about its Trainer."""
         return self._reader
 
-    def join(self, timeout: float) -> None:
+    def join(self, timeout: Optional[float]) -> None:
         """Runs on the endpoint thread: wait for the loop thread after the stage ended."""
         if self._thread is not None:
             self._thread.join(timeout)
@@ -121,14 +168,16 @@ class StageLoop:
     # ----- loop thread -----------------------------------------------------------------------
 
     def around(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """Runs on the loop thread at every gated hook call (L2, L3)."""
+        """Runs on the loop thread at every gated hook call (R2-R5)."""
         if self._free_running:
             return fn(*args, **kwargs)
         if self._resume is not None:
             return self._catch_up(gate, fn, args, kwargs)
         if self._depth:
             return self._nested_call(gate, fn, args, kwargs)
-        self._arrive(gate)
+        if GATES[gate].batch_start:
+            self._wait_for_credit()
+        arrival = self._reader.arrival()
         self._depth, self._nested, self._gate = 1, [], gate
         try:
             result = fn(*args, **kwargs)
@@ -138,25 +187,46 @@ class StageLoop:
             raise
         finally:
             self._depth = 0
-        command = self._command
-        assert isinstance(command, Advance)
-        reply = self._reply(gate, full=command.wait, loaders=False)
-        if command.wait and (self._rank == 0 or gate == "module.predict_step"):
-            # only a waited reply is read: describing copies tensors to the CPU (a device sync on GPUs)
-            reply.result = describe_result(gate, result, self._trainer, args)
-        reply.nested = self._nested
-        self._answer(reply)
-        self._wait()
+        staged = self._plan.stages_state_at(gate, self._trainer)
+        if staged and self._rank == 0:
+            self._wait_for_staging_room()
+        entry = self._reader.entry(gate, arrival, self._describe(gate, result, args), self._nested, staged)
+        entry.sync = self._plan.syncs_at(gate, self._trainer)
+        self._gates += 1
+        self._publish(entry)
+        if entry.sync:
+            self._park()
         return worker_side_result(gate, result)
 
+    def _describe(self, gate: str, result: Any, args: tuple) -> Any:
+        """What rank 0's entry carries of ``result`` (``worker.describe``). Every rank keeps its
+        predictions, for the controller to collect in bulk at the end of the stage."""
+        kind = GATES[gate].result
+        if kind == "prediction":
+            self._predictions.append(describe_result(gate, result, self._trainer, args, self._plan))
+            return None
+        if kind is None or self._rank != 0:
+            return None
+        return describe_result(gate, result, self._trainer, args, self._plan)
+
     def _catch_up(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """A replacement worker's Lightning resumes from the snapshot's checkpoint without gates up
-        to :data:`SNAPSHOT_GATE`, where it takes back the rest of the snapshot; the controller's
-        replayed messages then meet it at the next gate."""
-        result = fn(*args, **kwargs)
-        if gate == SNAPSHOT_GATE and self._resume is not None:
+        """A replacement worker's Lightning resumes from the snapshot's checkpoint without entries up
+        to :data:`SNAPSHOT_GATE`, where it takes back the rest of the snapshot and parks, as the workers
+        it replaces did; the controller then replays what it sent them since."""
+        top = not self._depth
+        if top and GATES[gate].batch_start:
+            self._started += 1
+        self._depth += 1
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            self._depth -= 1
+        if top:
+            self._gates += 1
+        if top and gate == SNAPSHOT_GATE:
             self._reader.resume(self._resume)
             self._resume = None
+            self._park()
         return worker_side_result(gate, result)
 
     def _nested_call(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -168,92 +238,88 @@ class StageLoop:
             raise
         finally:
             self._depth -= 1
-        if gate in RESULT_HOOKS and self._rank == 0 and self._waited():
-            self._nested.append((gate, describe_result(gate, result, self._trainer, args)))
+        if GATES[gate].result is not None:
+            described = self._describe(gate, result, args)
+            if self._rank == 0:
+                self._nested.append((gate, described))
         return worker_side_result(gate, result)
 
-    def _waited(self) -> bool:
-        """Whether the controller reads the reply to the command being run (L4)."""
-        return isinstance(self._command, Advance) and self._command.wait
+    def _wait_for_credit(self) -> None:
+        """Before a batch starts: wait while this rank is ``max_ahead`` batches ahead of the last
+        batch the controller took (R4)."""
+        limit = self._plan.max_ahead
+        with self._cond:
+            if limit:
+                self._credit_waiting = True
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._started < self._taken + limit)
+                self._credit_waiting = False
+            self._started += 1
 
-    def _arrive(self, gate: str) -> None:
-        """Serve messages parked in front of ``gate`` until one asks to run it."""
-        while True:
-            command = self._command
-            if isinstance(command, Advance) and command.hook == gate:
-                return
-            if isinstance(command, Peek):
-                self._answer(self._reply(gate, full=True, loaders=True))
-            elif isinstance(command, Advance) and command.hook in self._skipped:
-                pass  # a hook Lightning skips on this rank; ``submit`` answered it
-            else:
-                self._free_running = True
-                expected = command.hook if isinstance(command, Advance) else "the end of the stage"
-                raise LockstepError(
-                    f"The controller's loop reached `{expected}` but worker rank {self._rank} reached"
-                    f" `{gate}`. The two Lightning loops diverged; this is a bug in lightning_monarch"
-                    " or a hook that changes the loop's control flow differently on each side."
-                )
-            self._wait()
+    def _wait_for_staging_room(self) -> None:
+        """Rank 0, before it copies its checkpoint state into an entry: wait while
+        :data:`MAX_STAGED_STATES` copies are not fetched yet (R6)."""
+        with self._cond:
+            self._cond.wait_for(lambda: sum(entry.checkpoint is not None for entry in self._entries) < MAX_STAGED_STATES)
 
-    def _answer(self, reply: WorkerReply) -> None:
-        """Send ``reply`` if its command ends a burst; the controller waits only for those (L4)."""
-        if not self._pending:
-            self._outbox.put(reply)
-
-    def _wait(self) -> None:
-        """Take the next command of the burst, or park until the next message; serve out-of-band
-        requests meanwhile."""
-        if self._pending:
-            self._accept(self._pending.popleft())
+    def _publish(self, entry: Entry) -> None:
+        if self._rank != 0:
             return
-        while True:
-            item = self._inbox.get()
-            if isinstance(item, list):
-                self._pending.extend(item[1:])
-                self._accept(item[0])
-                return
-            if isinstance(item, _OutOfBand):
+        with self._cond:
+            self._entries.append(entry)
+            self._cond.notify_all()
+
+    def _park(self) -> None:
+        """After a sync gate: serve the controller's out-of-band requests until it releases this
+        rank, then apply the control state it changed (R5)."""
+        with self._cond:
+            self._parked = True
+            self._cond.notify_all()
+            while True:
+                self._cond.wait_for(lambda: bool(self._inbox))
+                item = self._inbox.popleft()
+                if isinstance(item, Release):
+                    break
+                self._cond.release()
                 try:
-                    self._outbox.put((item.fn(), None))
+                    item.value = item.fn()
                 except Exception as error:  # handed to the endpoint thread, which raises it
-                    self._outbox.put((None, error))
+                    item.error = error
+                finally:
+                    self._cond.acquire()
+                    item.done.set()
+            self._parked = False
+        for name, value in item.control.items():
+            setattr(self._trainer, name, value)
+        if item.plan is not None:
+            self._plan = item.plan
+            self._reader.update_plan(item.plan)
 
-    def _accept(self, command: Command) -> None:
-        self._command = command
-        if isinstance(command, Advance):
-            for name, value in command.control.items():
-                setattr(self._trainer, name, value)
-
-    def _main(self, first: Command) -> None:
-        self._accept(first)
+    def _main(self) -> None:
         try:
             self._run()
         except BaseException as error:
             self._free_running = True
-            self._ended = WorkerReply(rank=self._rank, failure=self._failure(error))
+            end = Entry(None, failure=WorkerFailure.capture(error, self._rank, self._failed_gate or self._gate))
         else:
-            self._ended = self._reply(None, full=True, loaders=True)
-        leftover = [self._command, *self._pending]
-        self._pending.clear()
-        self._outbox.put(self._answer_after_end(leftover))
-
-    def _answer_after_end(self, commands: list[Optional[Command]]) -> WorkerReply:
-        assert self._ended is not None
-        advance = next((command for command in commands if isinstance(command, Advance)), None)
-        if self._ended.failure is None and advance is not None:
-            error = LockstepError(
-                f"The controller's loop reached `{advance.hook}` but worker rank {self._rank} had"
-                " already finished the stage. The two Lightning loops diverged."
-            )
-            return WorkerReply(rank=self._rank, failure=self._failure(error))
-        return self._ended
-
-    def _reply(self, gate: Optional[str], full: bool, loaders: bool) -> WorkerReply:
-        reply = WorkerReply(rank=self._rank, hook=gate, control=control_state(self._trainer))
-        if full:
-            self._reader.fill(reply, loaders)
-        return reply
-
-    def _failure(self, error: BaseException) -> WorkerFailure:
-        return WorkerFailure.capture(error, self._rank, self._failed_gate or self._gate)
+            end = self._reader.entry(None, self._reader.arrival(), None, [])
+            if any(isinstance(item, Release) for item in self._inbox):
+                error = DivergenceError(
+                    f"Worker rank {self._rank} finished the stage while the controller still had it parked at a"
+                    " sync gate: the two Lightning loops diverged."
+                )
+                end = Entry(None, failure=WorkerFailure.capture(error, self._rank, self._gate))
+        with self._cond:
+            self._ended = end
+            # requests for the end of the stage that came while this rank was finishing it (R5)
+            requests = [item for item in self._inbox if isinstance(item, _OutOfBand)]
+            self._inbox.clear()
+            self._cond.notify_all()
+        for request in requests:
+            try:
+                if end.failure is not None:
+                    raise RuntimeError(f"The stage failed on rank {self._rank}: {end.failure.message}")
+                request.value = request.fn()
+            except Exception as error:  # handed to the endpoint thread, which raises it
+                request.error = error
+            request.done.set()

@@ -80,7 +80,7 @@ def shard_in_configure_model(module: LightningModule, spec: ShardingSpec) -> Non
     Installed after the gates (``worker.stage``), so that the gated hook is what runs first. The
     wrapper makes Lightning call ``configure_model`` on the worker even when the module does not
     override it; the controller's Lightning then does not call it, so neither does the wrapper
-    (L1). A policy that matches nothing is reported here only when the module's own
+    (R1). A policy that matches nothing is reported here only when the module's own
     ``configure_model`` may have built submodules; otherwise the controller saw it before the
     stage started.
     """

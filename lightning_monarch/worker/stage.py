@@ -3,7 +3,7 @@
 Runs in each worker process. The worker's Trainer is Lightning's own, with ``DDPStrategy`` on the
 torch elastic environment that Monarch set up for this rank (``ModelParallelStrategy`` when the
 module is sharded, see ``worker.sharding``); it gets the controller's loop flags
-(L1), a gate callback first in its callback list, and gates on the module's hooks (L2). It has
+(R1), a gate callback first in its callback list, and gates on the module's hooks (R2). It has
 no progress bar, checkpoint callback or model summary: those run once, on the controller.
 """
 
@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_monarch import _compat
 from lightning_monarch.gates import GateCallback, install_hook_gates
-from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS, RANK_LOCAL_HOOKS, StageSpec
+from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS, StageSpec
 from lightning_monarch.worker.logger import recording_loggers
 from lightning_monarch.worker.loop import StageLoop
 from lightning_monarch.worker.sharding import shard_in_configure_model, sharded_strategy
@@ -128,13 +128,6 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
                 os.remove(snapshot_file)
 
     resume = spec.resume.ranks[rank] if spec.resume is not None else None
-    owners = {gate: module if gate.startswith("module.") else datamodule for gate in RANK_LOCAL_HOOKS}
-    skipped = frozenset(gate for gate, owner in owners.items() if owner is None or not _runs_prepare_data(trainer, owner))
-    loop = StageLoop(trainer, run, rank, StateReader(trainer, rank, logger_calls), resume, skipped)
+    reader = StateReader(trainer, rank, logger_calls, spec.run_ahead)
+    loop = StageLoop(trainer, run, rank, reader, spec.run_ahead, resume)
     return loop
-
-
-def _runs_prepare_data(trainer: Trainer, owner: Any) -> bool:
-    """Whether Lightning calls ``owner.prepare_data`` on this rank (``_DataConnector.prepare_data``):
-    on local rank 0 of every node, or of node 0 only without ``prepare_data_per_node``."""
-    return trainer.local_rank == 0 and (owner.prepare_data_per_node or trainer.node_rank == 0)

@@ -7,6 +7,7 @@ under DDP: its metrics, logger calls and optimizer hyperparameters are what the 
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import cloudpickle
@@ -18,45 +19,104 @@ from lightning_monarch.gates import GateCallback
 from lightning_monarch.protocol import (
     METRIC_VIEWS,
     CheckpointState,
+    Entry,
     LoggerCall,
     ModuleAttributes,
     RankSnapshot,
     RankValue,
-    WorkerReply,
+    RunAhead,
+    control_state,
 )
-from lightning_monarch.worker.describe import param_group_hyperparameters, to_cpu
+from lightning_monarch.worker.describe import cpu_copy, param_group_hyperparameters, to_cpu
 
+
+
+#: The gates whose entries carry the optimizers' hyperparameters: where ``LearningRateMonitor``
+#: reads them on the controller.
+_PARAM_GROUP_GATES = frozenset({"callback.on_train_batch_start", "callback.on_train_epoch_start"})
+
+
+@dataclass
+class Arrival:
+    """What a worker read when it reached a gate, before the hook ran (``Entry``'s arrival fields)."""
+
+    eval_outputs: list[dict[str, Any]]
+    loader_lengths: Optional[dict[str, list[Optional[int]]]]
+    fetched_batches: Optional[dict[str, int]]
 
 
 class StateReader:
-    """Runs in each worker: answers the controller's questions about this rank's Trainer."""
+    """Runs in each worker: what the controller learns of this rank's Trainer, in entries (R3) and
+    in out-of-band answers (R5)."""
 
-    def __init__(self, trainer: Trainer, rank: int, logger_calls: list[LoggerCall]) -> None:
+    def __init__(self, trainer: Trainer, rank: int, logger_calls: list[LoggerCall], plan: RunAhead) -> None:
         self._trainer = trainer
         self._rank = rank
+        self._plan = plan
         self._logger_calls = logger_calls
         self._eval_outputs: list[dict[str, Any]] = []
         _compat.record_eval_epoch_metrics(trainer, self._eval_outputs.append)
+        #: What the last entry carried of what is sent only when it changed.
+        self._sent: dict[str, Any] = {}
 
     @property
     def module(self) -> Any:
         """This rank's LightningModule."""
         return self._trainer.lightning_module
 
-    def fill(self, reply: WorkerReply, loaders: bool) -> None:
-        """Add what a reply the controller waits on carries besides the hook result (rank 0 only);
-        with ``loaders``, also the dataloader lengths and fetch counts that a ``Peek`` asks for."""
+    def update_plan(self, plan: RunAhead) -> None:
+        """The controller's plan, grown at a sync gate (``controller.plan``)."""
+        self._plan = plan
+
+    def arrival(self) -> Arrival:
+        """What rank 0 tells the controller of a gate before its hook runs: the values
+        ``update_eval_epoch_metrics`` returned, and the loops' dataloader lengths and fetch counts,
+        when they changed (the controller's loop asks for them between gates)."""
+        outputs, self._eval_outputs[:] = self._eval_outputs[:], []
         if self._rank != 0:
-            return
-        reply.param_groups = [param_group_hyperparameters(optimizer) for optimizer in self._trainer.optimizers]
-        reply.manual_steps = _compat.manual_step_progress(self._trainer).state_dict()
-        reply.logger_calls = self._logger_calls[:]
-        self._logger_calls.clear()
-        reply.eval_outputs = to_cpu(self._eval_outputs[:])
-        self._eval_outputs.clear()
-        if loaders:
-            reply.loader_lengths = _compat.combined_loader_lengths(self._trainer)
-            reply.fetched_batches = _compat.fetched_batches(self._trainer)
+            return Arrival([], None, None)
+        lengths = _compat.combined_loader_lengths(self._trainer)
+        # the fetch counts matter for loaders without a length only, whose passes end where they do
+        unsized = any(None in stage for stage in lengths.values())
+        return Arrival(
+            eval_outputs=to_cpu(outputs),
+            loader_lengths=self._changed("loader_lengths", lengths),
+            fetched_batches=_compat.fetched_batches(self._trainer) if unsized else None,
+        )
+
+    def entry(self, gate: Optional[str], arrival: Arrival, result: Any, nested: list[tuple[str, Any]],
+              staged: bool = False) -> Entry:
+        """Rank 0's entry for ``gate`` after its hook ran (R3), with a copy of its checkpoint state if
+        ``staged`` (R6); on the other ranks an empty one, but the metric views are read on every rank
+        alike, since reading them may sync values across ranks."""
+        views = None
+        if gate in self._plan.views or staged:
+            views = {view: to_cpu(dict(getattr(self._trainer, view))) for view in METRIC_VIEWS}
+        if self._rank != 0:
+            return Entry(gate)
+        calls, self._logger_calls[:] = self._logger_calls[:], []
+        return Entry(
+            gate=gate,
+            result=result,
+            nested=nested,
+            control=control_state(self._trainer),
+            logger_calls=calls,
+            param_groups=[param_group_hyperparameters(optimizer) for optimizer in self._trainer.optimizers]
+            if gate in _PARAM_GROUP_GATES else None,
+            manual_steps=self._changed("manual_steps", _compat.manual_step_progress(self._trainer).state_dict()),
+            views=views,
+            checkpoint=self.checkpoint_state(copy=True) if staged else None,
+            eval_outputs=arrival.eval_outputs,
+            loader_lengths=arrival.loader_lengths,
+            fetched_batches=arrival.fetched_batches,
+        )
+
+    def _changed(self, name: str, value: Any) -> Any:
+        """``value`` if it differs from what the last entry carried under ``name``, else ``None``."""
+        if self._sent.get(name) == value:
+            return None
+        self._sent[name] = value
+        return value
 
     def read_metrics(self, view: str) -> Optional[dict[str, Any]]:
         """Read a metrics property as a callback on DDP rank 0 would at this point.
@@ -138,16 +198,18 @@ class StateReader:
         vars(self.module).update(snapshot.attributes)
         _compat.restore_stored_metrics(self._trainer, snapshot.metrics)
 
-    def checkpoint_state(self) -> CheckpointState:
-        """The model, optimizer, LR-scheduler and precision state that a DDP rank 0 would put in a checkpoint."""
+    def checkpoint_state(self, copy: bool = False) -> CheckpointState:
+        """The model, optimizer, LR-scheduler and precision state that a DDP rank 0 would put in a
+        checkpoint; with ``copy``, a copy that training does not change afterwards."""
         strategy = self._trainer.strategy
-        return CheckpointState(
-            model=to_cpu(strategy.lightning_module_state_dict()),
-            optimizers=[to_cpu(strategy.optimizer_state(optimizer)) for optimizer in self._trainer.optimizers],
-            lr_schedulers=[to_cpu(config.scheduler.state_dict()) for config in self._trainer.lr_scheduler_configs],
-            callbacks=callback_states(self._trainer),
-            precision=to_cpu(self._trainer.precision_plugin.state_dict()),
-        )
+        state = {
+            "model": strategy.lightning_module_state_dict(),
+            "optimizers": [strategy.optimizer_state(optimizer) for optimizer in self._trainer.optimizers],
+            "lr_schedulers": [config.scheduler.state_dict() for config in self._trainer.lr_scheduler_configs],
+            "callbacks": callback_states(self._trainer),
+            "precision": self._trainer.precision_plugin.state_dict(),
+        }
+        return CheckpointState(**(cpu_copy if copy else to_cpu)(state))
 
 
 def _bound_here(value: Any, module: Any) -> bool:

@@ -1,0 +1,165 @@
+"""The workers lead and the controller follows (R4-R6 in ``lightning_monarch.protocol``): how far they
+lead, where they wait (counted, not timed), and what a controller callback may not do where they
+do not wait. The parity suite (``tests/test_parity.py``) shows the results do not change."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_monarch import DivergenceError, MonarchStrategy, observe_only
+from lightning_monarch.controller.channel import StageChannel
+from lightning_monarch.controller.mesh import WorkerMesh
+from lightning_monarch.controller.plan import PLAN_GATES
+from tests.compat_models import StopAtStep
+from tests.models import Classifier
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class Counted:
+    """What the controller's channel fetched and sent during a fit: every entry, in order, and each
+    request the controller waited on, with the number of entries fetched before it."""
+
+    def __init__(self, patch: pytest.MonkeyPatch) -> None:
+        self.entries: list[Any] = []
+        self.requests: list[tuple[int, str]] = []
+        fetch, deliver = StageChannel.fetch, WorkerMesh.deliver
+
+        def counted_fetch(channel: StageChannel) -> list[Any]:
+            entries = fetch(channel)
+            self.entries.extend(entry for entry in entries if entry.gate is not None)
+            return entries
+
+        def counted_deliver(mesh: WorkerMesh, message: Any) -> Any:
+            if message.wait and message.endpoint != "start_stage":
+                self.requests.append((len(self.entries), message.endpoint))
+            return deliver(mesh, message)
+
+        patch.setattr(StageChannel, "fetch", counted_fetch)
+        patch.setattr(WorkerMesh, "deliver", counted_deliver)
+
+    def batches(self) -> list[tuple[int, int]]:
+        """Each training batch as the range of entries from its start gate to its end gate."""
+        starts = [i for i, entry in enumerate(self.entries) if entry.gate == "callback.on_train_batch_start"]
+        ends = [i for i, entry in enumerate(self.entries) if entry.gate == "module.on_train_batch_end"]
+        return list(zip(starts, ends))
+
+
+def test_a_steady_training_batch_with_lightnings_defaults_has_no_waited_round_trip(tmp_path: Any) -> None:
+    """Lightning's default callbacks (checkpointing, progress bar, model summary) and a CSV logger:
+    within a training batch the workers never park and the controller asks them nothing (R4-R6)."""
+    with pytest.MonkeyPatch.context() as patch:
+        counted = Counted(patch)
+        L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=2, default_root_dir=tmp_path,
+                  logger=CSVLogger(tmp_path)).fit(Classifier())
+    batches = counted.batches()
+    assert len(batches) == 12
+    synced = [counted.entries[i].gate for start, end in batches for i in range(start, end + 1) if counted.entries[i].sync]
+    asked = [endpoint for position, endpoint in counted.requests if any(start < position <= end for start, end in batches)]
+    assert synced == [] and asked == [], (synced, asked)
+    # ModelCheckpoint saves from rank 0's state in the entries where it may save: the workers wait
+    # only where the controller's plan may grow, once per stage
+    assert {entry.gate for entry in counted.entries if entry.sync} == set(PLAN_GATES)
+    assert {entry.gate for entry in counted.entries if entry.checkpoint is not None} == {
+        "callback.on_validation_end", "module.on_train_epoch_end"}
+
+
+def test_a_checkpoint_every_n_steps_travels_in_the_entries_and_the_workers_do_not_wait(tmp_path: Any) -> None:
+    """``ModelCheckpoint(every_n_train_steps=3)`` saves at steps 3, 6, 9 and 12 from the state rank 0
+    put in those steps' entries; nothing else is asked of the workers during the batches (R6)."""
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    with pytest.MonkeyPatch.context() as patch:
+        counted = Counted(patch)
+        L.Trainer(strategy=MonarchStrategy(max_ahead=None), accelerator="cpu", devices=2, max_epochs=2, logger=False,
+                  limit_val_batches=0, enable_progress_bar=False, callbacks=[checkpoint]).fit(Classifier())
+    batches = counted.batches()
+    staged = [(number, counted.entries[i].gate) for number, (start, end) in enumerate(batches, start=1)
+              for i in range(start, end + 1) if counted.entries[i].checkpoint is not None]
+    assert staged == [(step, "callback.on_train_batch_end") for step in (3, 6, 9, 12)]
+    first, last = batches[0][0], batches[-1][1]
+    during = [endpoint for position, endpoint in counted.requests if first < position <= last]
+    assert not any(entry.sync for entry in counted.entries[first:last + 1]) and during == [], during
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        f"epoch={epoch}-step={step}.ckpt" for epoch, step in ((0, 3), (0, 6), (1, 12), (1, 9))]
+
+
+class StampsItsSteps(Classifier):
+    """Rank 0 records when each training step ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_times: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.step_times.append(time.time())
+        return super().training_step(batch, batch_idx)
+
+
+@observe_only
+class SlowReader(L.Callback):
+    """An observe-only controller callback that takes its time at every batch end."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.seen.append(time.time())
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("max_ahead", [3, 0])
+def test_the_workers_lead_by_max_ahead_batches_at_most(max_ahead: int) -> None:
+    model, reader = StampsItsSteps(), SlowReader()
+    L.Trainer(strategy=MonarchStrategy(max_ahead=max_ahead), accelerator="cpu", devices=2, max_epochs=1,
+              limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              callbacks=[reader]).fit(model)
+    # when the controller saw batch b's end, how many training steps rank 0 had already started
+    lead = [sum(stamp < seen for stamp in model.step_times) - (batch + 1) for batch, seen in enumerate(reader.seen)]
+    assert max(lead) == max_ahead, lead
+
+
+def test_a_callback_wrongly_declared_observe_only_that_stops_training_raises() -> None:
+    trainer = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, callbacks=[observe_only(StopAtStep(7))])
+    with pytest.raises(DivergenceError, match=r"`StopAtStep.on_train_batch_end` changed `trainer.should_stop` where the"
+                                              r" workers do not wait for the controller.*must not be declared"
+                                              r" observe-only"):
+        trainer.fit(Classifier())
+
+
+@observe_only
+class SavesACheckpoint(L.Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def test_an_observe_only_callback_that_reads_the_weights_raises(tmp_path: Any) -> None:
+    trainer = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        callbacks=[SavesACheckpoint(str(tmp_path / "x.ckpt"))])
+    with pytest.raises(DivergenceError, match=r"`SavesACheckpoint.on_train_batch_end` reads the module's weights or the"
+                                              r" optimizers' state \(a checkpoint\) after `callback.on_train_batch_end`,"
+                                              r" where the workers do not wait.*remove the declaration"):
+        trainer.fit(Classifier())
+
+
+@pytest.mark.parametrize("max_ahead", [-1, 2.5, "8", True])
+def test_max_ahead_must_be_a_whole_number(max_ahead: Any) -> None:
+    with pytest.raises(ValueError, match=rf"max_ahead={max_ahead!r}\)`: give a whole number of batches >= 0"):
+        MonarchStrategy(max_ahead=max_ahead)
+
+
+@pytest.mark.parametrize("thing", [object(), "ModelCheckpoint", Classifier])
+def test_only_a_callback_can_be_declared_observe_only(thing: Any) -> None:
+    with pytest.raises(TypeError, match=r"observe_only\(.*\)`: it declares a Lightning `Callback`"):
+        observe_only(thing)
