@@ -66,7 +66,9 @@ def test_gpu_accelerator_works_on_a_controller_without_gpu(cuda_build: pytest.Mo
     assert isinstance(trainer.accelerator, WorkerGPUAccelerator)
     assert strategy.worker_accelerator == "cuda" and strategy.num_workers == 4
     assert strategy.root_device == torch.device("cpu")
-    assert not torch.cuda.is_initialized()
+    # No `torch.cuda.is_initialized()` check: on this CPU-only build it is False whatever the
+    # controller does, since any GPU initialization raises ("Torch not compiled with CUDA enabled")
+    # and would fail `_trainer` above. tests/gpu checks it on a CUDA build, where it can be True.
 
 
 class LockedClassifier(Classifier):
