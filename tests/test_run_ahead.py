@@ -110,8 +110,8 @@ class SlowReader(L.Callback):
         self.seen: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        time.sleep(0.3)  # time for the workers to take the credit this batch returned, and use it
         self.seen.append(time.time())
-        time.sleep(0.3)
 
 
 @pytest.mark.parametrize("max_ahead", [3, 0])
@@ -120,7 +120,7 @@ def test_the_workers_lead_by_max_ahead_batches_at_most(max_ahead: int) -> None:
     L.Trainer(strategy=MonarchStrategy(max_ahead=max_ahead), accelerator="cpu", devices=2, max_epochs=1,
               limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
               callbacks=[reader]).fit(model)
-    # when the controller saw batch b's end, how many training steps rank 0 had already started
+    # when the controller was done with batch b's end, how many training steps rank 0 had started
     lead = [sum(stamp < seen for stamp in model.step_times) - (batch + 1) for batch, seen in enumerate(reader.seen)]
     assert max(lead) == max_ahead, lead
 
