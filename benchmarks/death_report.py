@@ -70,10 +70,19 @@ def death_delay(hook: str, hosts: Optional[list[str]] = None) -> float:
     """Seconds from a worker's death to ``MeshFailureError`` in the controller."""
     with tempfile.TemporaryDirectory() as scratch:
         stamp = str(Path(scratch) / "died_at")
-        trainer = L.Trainer(strategy=MonarchStrategy(hosts=hosts, keep_warm=False), accelerator="cpu", devices=2,
-                            max_epochs=1, limit_train_batches=4, limit_val_batches=3, num_sanity_val_steps=0,
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)
+        trainer = L.Trainer(
+            strategy=MonarchStrategy(hosts=hosts, keep_warm=False),
+            accelerator="cpu",
+            devices=2,
+            max_epochs=1,
+            limit_train_batches=4,
+            limit_val_batches=3,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         try:
             trainer.fit(DiesOnRank1(hook, stamp))
         except MeshFailureError:
@@ -92,9 +101,11 @@ def remote_death_delay() -> float:
     address = f"tcp://127.0.0.1:{_free_port()}"
     hosts_file = Path(tempfile.mkdtemp()) / "hosts"
     # the host's name resolves inside its namespace only, where torch.distributed's rendezvous needs it
-    serve = (f"hostname {REMOTE} && (echo '127.0.0.1 {REMOTE}'; cat /etc/hosts) > {hosts_file}"
-             f" && mount --bind {hosts_file} /etc/hosts && exec {sys.executable} -c 'from monarch.actor import"
-             f" run_worker_loop_forever; run_worker_loop_forever(address=\"{address}\", ca=\"trust_all_connections\")'")
+    serve = (
+        f"hostname {REMOTE} && (echo '127.0.0.1 {REMOTE}'; cat /etc/hosts) > {hosts_file}"
+        f" && mount --bind {hosts_file} /etc/hosts && exec {sys.executable} -c 'from monarch.actor import"
+        f' run_worker_loop_forever; run_worker_loop_forever(address="{address}", ca="trust_all_connections")\''
+    )
     host = subprocess.Popen(["unshare", "--uts", "--mount", "--fork", "sh", "-c", serve], start_new_session=True)
     try:
         deadline = time.monotonic() + 30
@@ -120,8 +131,13 @@ L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1000, log
 
 def killed_controller_delay() -> float:
     """Seconds from a SIGKILL of the controller, in the middle of ``fit``, until its workers ended."""
-    controller = subprocess.Popen([sys.executable, "-c", KILLED_CONTROLLER], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True)
+    controller = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CONTROLLER],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     pids = [int(pid) for pid in next(line for line in controller.stdout if line.startswith("workers")).split()[1:]]
     controller.kill()
     killed = time.monotonic()
@@ -168,8 +184,10 @@ def main() -> None:
             print(f"[{rep + 1}/{args.reps}] {name} ...", flush=True)
             runs[name].append(measure())
             stop_meshes()
-    summary = {name: {"median_s": statistics.median(values), "max_s": max(values), "runs_s": values}
-               for name, values in runs.items()}
+    summary = {
+        name: {"median_s": statistics.median(values), "max_s": max(values), "runs_s": values}
+        for name, values in runs.items()
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "death_report.json").write_text(json.dumps(summary, indent=2))
     table = ["| case | median s | max s | runs |", "|---|---|---|---|"] + [

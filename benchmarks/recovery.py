@@ -62,10 +62,19 @@ class FirstStep(L.Callback):
 
 def _trainer(strategy: Any, callbacks: list[L.Callback], checkpoints: Path, steps: int = STEPS) -> L.Trainer:
     return L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-        callbacks=[ModelCheckpoint(dirpath=str(checkpoints), every_n_train_steps=CHECKPOINT_EVERY, save_last=True),
-                   *callbacks],
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[
+            ModelCheckpoint(dirpath=str(checkpoints), every_n_train_steps=CHECKPOINT_EVERY, save_last=True),
+            *callbacks,
+        ],
     )
 
 
@@ -86,15 +95,23 @@ def run_case(case: str, scratch: Path) -> dict[str, Any]:
     except MeshFailureError:
         return {"detected_s": time.monotonic() - killer.killed_at}
     assert killer.killed_at is not None and killer.resumed_at is not None
-    return {"resumed_s": killer.resumed_at - killer.killed_at, "restarts": trainer.strategy.restarts,
-            "global_step": trainer.global_step}
+    return {
+        "resumed_s": killer.resumed_at - killer.killed_at,
+        "restarts": trainer.strategy.restarts,
+        "global_step": trainer.global_step,
+    }
 
 
 def _in_fresh_process(case: str, scratch: Path) -> dict[str, Any]:
     out = scratch / f"{case}.json"
     launched = time.time()
-    subprocess.run([sys.executable, "-m", "benchmarks.recovery", "--case", case, "--scratch", str(scratch),
-                    "--out", str(out)], check=True, cwd=RESULTS.parent.parent, timeout=600, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.recovery", "--case", case, "--scratch", str(scratch), "--out", str(out)],
+        check=True,
+        cwd=RESULTS.parent.parent,
+        timeout=600,
+        capture_output=True,
+    )
     result = json.loads(out.read_text()) if out.exists() else {}
     if case == "ddp_restart_from_checkpoint":
         result["first_step_s"] = float((scratch / "first_step").read_text()) - launched
@@ -113,22 +130,31 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(result))
         return
     with tempfile.TemporaryDirectory() as scratch:
-        results = {case: _in_fresh_process(case, Path(scratch))
-                   for case in ("monarch_fail", "monarch_restart", "ddp_restart_from_checkpoint")}
-    results["setup"] = {"model": SIZE, "steps": STEPS, "steps_per_epoch": BATCHES // 2, "killed_at_step": KILL_AT,
-                        "checkpoint_every": CHECKPOINT_EVERY}
+        results = {
+            case: _in_fresh_process(case, Path(scratch))
+            for case in ("monarch_fail", "monarch_restart", "ddp_restart_from_checkpoint")
+        }
+    results["setup"] = {
+        "model": SIZE,
+        "steps": STEPS,
+        "steps_per_epoch": BATCHES // 2,
+        "killed_at_step": KILL_AT,
+        "checkpoint_every": CHECKPOINT_EVERY,
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "recovery.json").write_text(json.dumps(results, indent=2))
     lost = (KILL_AT % CHECKPOINT_EVERY) or CHECKPOINT_EVERY
-    table = "\n".join([
-        "| what | seconds |",
-        "|---|---|",
-        f"| monarch, `max_restarts=0`: kill to `MeshFailureError` | {results['monarch_fail']['detected_s']:.2f} |",
-        f"| monarch, `max_restarts=1`: kill to the next finished step (detect, new processes, resume from"
-        f" the epoch's snapshot, replay of {KILL_AT % (BATCHES // 2)} steps) | {results['monarch_restart']['resumed_s']:.2f} |",
-        f"| `ddp` restarted from `last.ckpt`: launch to first step (not counting detection; {lost} steps"
-        f" since the checkpoint lost) | {results['ddp_restart_from_checkpoint']['first_step_s']:.2f} |",
-    ])
+    table = "\n".join(
+        [
+            "| what | seconds |",
+            "|---|---|",
+            f"| monarch, `max_restarts=0`: kill to `MeshFailureError` | {results['monarch_fail']['detected_s']:.2f} |",
+            f"| monarch, `max_restarts=1`: kill to the next finished step (detect, new processes, resume from"
+            f" the epoch's snapshot, replay of {KILL_AT % (BATCHES // 2)} steps) | {results['monarch_restart']['resumed_s']:.2f} |",
+            f"| `ddp` restarted from `last.ckpt`: launch to first step (not counting detection; {lost} steps"
+            f" since the checkpoint lost) | {results['ddp_restart_from_checkpoint']['first_step_s']:.2f} |",
+        ]
+    )
     (RESULTS / "recovery.md").write_text(table + "\n")
     _plot(results, RESULTS / "recovery.png")
     print(table)
@@ -141,8 +167,11 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = ["monarch: detect", "monarch: recover\n(replay)", "ddp: restart\nfrom checkpoint"]
-    values = [results["monarch_fail"]["detected_s"], results["monarch_restart"]["resumed_s"],
-              results["ddp_restart_from_checkpoint"]["first_step_s"]]
+    values = [
+        results["monarch_fail"]["detected_s"],
+        results["monarch_restart"]["resumed_s"],
+        results["ddp_restart_from_checkpoint"]["first_step_s"],
+    ]
     figure, axis = plt.subplots(figsize=(6, 3.5))
     axis.bar(labels, values, color=["tab:blue", "tab:blue", "tab:orange"])
     axis.set_ylabel("seconds after the kill (lower is better)")

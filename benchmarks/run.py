@@ -24,8 +24,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("monarch", "ddp", "ddp_spawn", "torch")
 #: Training steps per size: enough steady-state steps for a stable figure.
 STEPS = {"small": 200, "medium": 60, "large": 25}
-STEADY_METRICS = ("step_ms", "first_step_s", "warm_first_step_s", "controller_peak_rss_mib", "worker_peak_rss_mib",
-                  "validate_samples_per_s", "predict_samples_per_s")
+STEADY_METRICS = (
+    "step_ms",
+    "first_step_s",
+    "warm_first_step_s",
+    "controller_peak_rss_mib",
+    "worker_peak_rss_mib",
+    "validate_samples_per_s",
+    "predict_samples_per_s",
+)
 #: The workers the controller's CPU time per batch is measured with.
 CONTROLLER_CPU_DEVICES = (2, 4, 8)
 
@@ -45,15 +52,33 @@ class Measure:
 
 
 MEASURES = [
-    *(Measure(f"whole fit with Lightning's defaults, {size}", "defaults", size, "fit_s", True, target)
-      for size, target in (("small", 0.85), ("medium", 0.95))),
-    *(Measure(f"steady training throughput, {size}", "steady", size, "step_ms", True, target)
-      for size, target in (("small", 0.80), ("medium", 0.98), ("large", 1.0))),
-    *(Measure(f"the same, observe-only timing callback on the controller, {size}", "observed", size, "step_ms", True,
-              target) for size, target in (("small", 0.80), ("medium", 0.98), ("large", 1.0))),
-    *(Measure(f"{kind} samples/s, {size}", "steady", size, f"{kind}_samples_per_s", False, 0.90)
-      for kind in ("validate", "predict") for size in ("small", "medium", "large")),
-    Measure("large, ModelCheckpoint(every_n_train_steps=10), throughput", "checkpointed", "large", "step_ms", True, 1.0),
+    *(
+        Measure(f"whole fit with Lightning's defaults, {size}", "defaults", size, "fit_s", True, target)
+        for size, target in (("small", 0.85), ("medium", 0.95))
+    ),
+    *(
+        Measure(f"steady training throughput, {size}", "steady", size, "step_ms", True, target)
+        for size, target in (("small", 0.80), ("medium", 0.98), ("large", 1.0))
+    ),
+    *(
+        Measure(
+            f"the same, observe-only timing callback on the controller, {size}",
+            "observed",
+            size,
+            "step_ms",
+            True,
+            target,
+        )
+        for size, target in (("small", 0.80), ("medium", 0.98), ("large", 1.0))
+    ),
+    *(
+        Measure(f"{kind} samples/s, {size}", "steady", size, f"{kind}_samples_per_s", False, 0.90)
+        for kind in ("validate", "predict")
+        for size in ("small", "medium", "large")
+    ),
+    Measure(
+        "large, ModelCheckpoint(every_n_train_steps=10), throughput", "checkpointed", "large", "step_ms", True, 1.0
+    ),
 ]
 
 
@@ -63,8 +88,23 @@ def run_one(mode: str, size: str, steps: int, scenario: str, devices: int = 2, a
     for _ in range(attempts):
         with tempfile.TemporaryDirectory() as scratch:
             out = Path(scratch) / "result.json"
-            command = [sys.executable, "-m", "benchmarks.run_one", "--mode", mode, "--size", size, "--steps", str(steps),
-                       "--scenario", scenario, "--devices", str(devices), "--out", str(out)]
+            command = [
+                sys.executable,
+                "-m",
+                "benchmarks.run_one",
+                "--mode",
+                mode,
+                "--size",
+                size,
+                "--steps",
+                str(steps),
+                "--scenario",
+                scenario,
+                "--devices",
+                str(devices),
+                "--out",
+                str(out),
+            ]
             started = time.perf_counter()
             done = subprocess.run(command, capture_output=True, text=True, cwd=RESULTS.parent.parent, timeout=900)
             if done.returncode == 0:
@@ -82,14 +122,21 @@ def run_one(mode: str, size: str, steps: int, scenario: str, devices: int = 2, a
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
     """The median of every figure over the runs of one mode."""
-    return {metric: statistics.median(run[metric] for run in runs) for metric, value in runs[0].items()
-            if isinstance(value, (int, float))}
+    return {
+        metric: statistics.median(run[metric] for run in runs)
+        for metric, value in runs[0].items()
+        if isinstance(value, (int, float))
+    }
 
 
 def summarize(runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]]) -> dict[str, Any]:
     """Medians per scenario, size and mode; the ratio and verdict of every measure."""
-    found = {scenario: {size: {mode: medians(results) for mode, results in by_mode.items()}
-                        for size, by_mode in by_size.items()} for scenario, by_size in runs.items()}
+    found = {
+        scenario: {
+            size: {mode: medians(results) for mode, results in by_mode.items()} for size, by_mode in by_size.items()
+        }
+        for scenario, by_size in runs.items()
+    }
     rows = []
     for measure in MEASURES:
         by_mode = found.get(measure.scenario, {}).get(measure.size)
@@ -97,45 +144,69 @@ def summarize(runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]]) -> di
             continue
         monarch, ddp = by_mode["monarch"][measure.metric], by_mode["ddp"][measure.metric]
         ratio = ddp / monarch if measure.is_time else monarch / ddp
-        rows.append({"measure": measure.name, "monarch": monarch, "ddp": ddp, "ratio": ratio, "target": measure.target,
-                     "met": ratio >= measure.target})
+        rows.append(
+            {
+                "measure": measure.name,
+                "monarch": monarch,
+                "ddp": ddp,
+                "ratio": ratio,
+                "target": measure.target,
+                "met": ratio >= measure.target,
+            }
+        )
     cpu = found.get("controller_cpu", {}).get("small", {})
-    return {"medians": found, "measures": rows,
-            "controller_cpu_ms_per_batch": {devices: values["controller_cpu_ms_per_batch"]
-                                            for devices, values in sorted(cpu.items(), key=lambda item: int(item[0]))}}
+    return {
+        "medians": found,
+        "measures": rows,
+        "controller_cpu_ms_per_batch": {
+            devices: values["controller_cpu_ms_per_batch"]
+            for devices, values in sorted(cpu.items(), key=lambda item: int(item[0]))
+        },
+    }
 
 
 def table(summary: dict[str, Any]) -> str:
     lines = ["| measure | monarch | ddp | ratio (>1: monarch faster) | target | met |", "|---|---|---|---|---|---|"]
     for row in summary["measures"]:
-        lines.append(f"| {row['measure']} | {row['monarch']:.4g} | {row['ddp']:.4g} | {row['ratio']:.3f}"
-                     f" | ≥ {row['target']:.2f} | {'yes' if row['met'] else 'no'} |")
+        lines.append(
+            f"| {row['measure']} | {row['monarch']:.4g} | {row['ddp']:.4g} | {row['ratio']:.3f}"
+            f" | ≥ {row['target']:.2f} | {'yes' if row['met'] else 'no'} |"
+        )
     cpu = summary["controller_cpu_ms_per_batch"]
     if cpu:
         values = list(cpu.values())
         spread = max(values) / min(values) - 1
         lines += ["", "| workers | controller CPU ms per training batch (small model) |", "|---|---|"]
         lines += [f"| {devices} | {value:.2f} |" for devices, value in cpu.items()]
-        lines.append(f"\nlargest over smallest: +{100 * spread:.0f}% (target: flat, within 20%:"
-                     f" {'met' if spread <= 0.2 else 'not met'})")
+        lines.append(
+            f"\nlargest over smallest: +{100 * spread:.0f}% (target: flat, within 20%:"
+            f" {'met' if spread <= 0.2 else 'not met'})"
+        )
     steady = summary["medians"].get("steady", {})
     if steady:
-        lines += ["", "| model | ms/step monarch / ddp / ddp_spawn / torch | first step cold, monarch / ddp (s)"
-                  " | first step warm, monarch / ddp (s) | peak RSS controller / worker / ddp rank (MiB) |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| model | ms/step monarch / ddp / ddp_spawn / torch | first step cold, monarch / ddp (s)"
+            " | first step warm, monarch / ddp (s) | peak RSS controller / worker / ddp rank (MiB) |",
+            "|---|---|---|---|---|",
+        ]
         for size, m in steady.items():
-            def get(mode: str, metric: str, fmt: str = "{:.1f}") -> str:
-                value = m.get(mode, {}).get(metric)
-                return fmt.format(value) if value is not None else "n/a"
-
             lines.append(
-                f"| {size} | {' / '.join(get(mode, 'step_ms') for mode in MODES)}"
-                f" | {get('monarch', 'first_step_s')} / {get('ddp', 'first_step_s')}"
-                f" | {get('monarch', 'warm_first_step_s', '{:.2f}')} / {get('ddp', 'warm_first_step_s', '{:.2f}')}"
-                f" | {get('monarch', 'controller_peak_rss_mib', '{:.0f}')} / {get('monarch', 'worker_peak_rss_mib', '{:.0f}')}"
-                f" / {get('ddp', 'worker_peak_rss_mib', '{:.0f}')} |"
+                f"| {size} | {' / '.join(_shown(m, mode, 'step_ms') for mode in MODES)}"
+                f" | {_shown(m, 'monarch', 'first_step_s')} / {_shown(m, 'ddp', 'first_step_s')}"
+                f" | {_shown(m, 'monarch', 'warm_first_step_s', '{:.2f}')}"
+                f" / {_shown(m, 'ddp', 'warm_first_step_s', '{:.2f}')}"
+                f" | {_shown(m, 'monarch', 'controller_peak_rss_mib', '{:.0f}')}"
+                f" / {_shown(m, 'monarch', 'worker_peak_rss_mib', '{:.0f}')}"
+                f" / {_shown(m, 'ddp', 'worker_peak_rss_mib', '{:.0f}')} |"
             )
     return "\n".join(lines)
+
+
+def _shown(medians: dict[str, Any], mode: str, metric: str, fmt: str = "{:.1f}") -> str:
+    """One figure of the steady table, or "n/a" where that mode did not measure it."""
+    value = medians.get(mode, {}).get(metric)
+    return fmt.format(value) if value is not None else "n/a"
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -147,7 +218,9 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     rows = summary["measures"]
     figure, axis = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
     positions = range(len(rows))
-    axis.barh(positions, [row["ratio"] for row in rows], color=["tab:green" if row["met"] else "tab:red" for row in rows])
+    axis.barh(
+        positions, [row["ratio"] for row in rows], color=["tab:green" if row["met"] else "tab:red" for row in rows]
+    )
     axis.scatter([row["target"] for row in rows], positions, marker="|", s=300, color="black", label="target")
     axis.axvline(1.0, color="grey", linewidth=0.8)
     axis.set_yticks(list(positions), [row["measure"] for row in rows], fontsize=7)

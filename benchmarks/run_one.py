@@ -46,8 +46,16 @@ def run_steady(mode: str, size: str, steps: int, out: str, accelerator: str, dev
         )
     batches = min(steps, 40)
     samples = devices * batches * SIZES[size][3]
-    eval_trainer = L.Trainer(strategy=mode, accelerator=accelerator, devices=devices, logger=False, enable_progress_bar=False,
-                             enable_model_summary=False, limit_val_batches=batches, limit_predict_batches=batches)
+    eval_trainer = L.Trainer(
+        strategy=mode,
+        accelerator=accelerator,
+        devices=devices,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=batches,
+        limit_predict_batches=batches,
+    )
     started = time.perf_counter()
     eval_trainer.validate(model, verbose=False)
     result["validate_samples_per_s"] = samples / (time.perf_counter() - started)
@@ -57,11 +65,23 @@ def run_steady(mode: str, size: str, steps: int, out: str, accelerator: str, dev
     return result if trainer.is_global_zero else {}
 
 
-def run_timed(mode: str, size: str, steps: int, out: str, accelerator: str, devices: int, clock: str = "steps",
-              callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
+def run_timed(
+    mode: str,
+    size: str,
+    steps: int,
+    out: str,
+    accelerator: str,
+    devices: int,
+    clock: str = "steps",
+    callbacks: Sequence[L.Callback] = (),
+) -> dict[str, Any]:
     """One cold ``fit``, its steady time per step timed by ``clock`` (``measure.timed_fit``)."""
     trainer, _, measured = timed_fit(mode, size, steps, out + ".clock", accelerator, devices, clock, callbacks)
-    return {"step_ms": 1000 * step_seconds(measured["batch_ends"]), "fit_s": measured["fit_s"]} if trainer.is_global_zero else {}
+    return (
+        {"step_ms": 1000 * step_seconds(measured["batch_ends"]), "fit_s": measured["fit_s"]}
+        if trainer.is_global_zero
+        else {}
+    )
 
 
 def run_defaults(mode: str, size: str, out: str, accelerator: str, devices: int) -> dict[str, Any]:
@@ -70,8 +90,15 @@ def run_defaults(mode: str, size: str, out: str, accelerator: str, devices: int)
     60 batches per rank and 20 validation batches."""
     torch.manual_seed(0)
     model = BenchModel(size, batches=devices * 60)
-    trainer = L.Trainer(strategy=mode, accelerator=accelerator, devices=devices, max_epochs=4, limit_val_batches=20,
-                        default_root_dir=out + ".root", logger=CSVLogger(out + ".root"))
+    trainer = L.Trainer(
+        strategy=mode,
+        accelerator=accelerator,
+        devices=devices,
+        max_epochs=4,
+        limit_val_batches=20,
+        default_root_dir=out + ".root",
+        logger=CSVLogger(out + ".root"),
+    )
     started = time.perf_counter()
     trainer.fit(model)
     return {"fit_s": time.perf_counter() - started} if trainer.is_global_zero else {}
@@ -152,7 +179,9 @@ def main() -> None:
         result = run_timed(args.mode, args.size, args.steps, work, args.accelerator, args.devices, clock="controller")
     elif args.scenario == "checkpointed":
         checkpoint = ModelCheckpoint(dirpath=work + ".checkpoints", every_n_train_steps=10)
-        result = run_timed(args.mode, args.size, args.steps, work, args.accelerator, args.devices, callbacks=[checkpoint])
+        result = run_timed(
+            args.mode, args.size, args.steps, work, args.accelerator, args.devices, callbacks=[checkpoint]
+        )
     elif args.scenario == "defaults":
         result = run_defaults(args.mode, args.size, work, args.accelerator, args.devices)
     else:

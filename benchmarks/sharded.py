@@ -1,4 +1,4 @@
-"""Sharded-workers benchmark: per-worker memory and time per step of ``parallelism="fsdp"``
+"""Sharded-workers benchmark: per-worker memory and time per step of ``MonarchFSDPStrategy``
 against ``ddp`` replicas, for one model too big to ignore.
 
     python -m benchmarks.sharded [--reps 2] [--steps 12]
@@ -6,7 +6,7 @@ against ``ddp`` replicas, for one model too big to ignore.
 Modes, each in fresh processes, alternating (A B C, A B C, ...) so that machine noise hits them
 alike; the figures are medians:
 
-- ``monarch_fsdp``: ``MonarchStrategy(parallelism="fsdp", fsdp_policy={nn.Linear})``, 2 workers;
+- ``monarch_fsdp``: ``MonarchFSDPStrategy(fsdp_policy={nn.Linear})``, 2 workers;
 - ``monarch``: ``strategy="monarch"`` (a DDP replica per worker), 2 workers;
 - ``ddp``: Lightning's ``strategy="ddp"``, 2 processes.
 
@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_monarch import MonarchStrategy
+from lightning_monarch import MonarchFSDPStrategy
 from lightning_monarch.benchmark.measure import WARMUP_STEPS, peak_rss_mib, step_seconds
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -81,8 +81,12 @@ class WideMLP(L.LightningModule):
         self.rss_mib["peak"] = peak_rss_mib()
         parameters = list(self.parameters())
         gradients = [parameter.grad for parameter in parameters if parameter.grad is not None]
-        optimizer_state = [value for state in self.trainer.optimizers[0].state.values() for value in state.values()
-                           if isinstance(value, torch.Tensor)]
+        optimizer_state = [
+            value
+            for state in self.trainer.optimizers[0].state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
         self.rss_mib["state"] = _local_mib(parameters + gradients + optimizer_state)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -91,7 +95,9 @@ class WideMLP(L.LightningModule):
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(0)
         count = 2 * self.batches * BATCH
-        data = TensorDataset(torch.randn(count, WIDTH, generator=generator), torch.randn(count, WIDTH, generator=generator))
+        data = TensorDataset(
+            torch.randn(count, WIDTH, generator=generator), torch.randn(count, WIDTH, generator=generator)
+        )
         return DataLoader(data, batch_size=BATCH)
 
 
@@ -118,7 +124,7 @@ def _current_rss_mib() -> float:
 
 def _strategy(mode: str) -> Any:
     if mode == "monarch_fsdp":
-        return MonarchStrategy(parallelism="fsdp", fsdp_policy={nn.Linear})
+        return MonarchFSDPStrategy(fsdp_policy={nn.Linear})
     return mode
 
 
@@ -127,28 +133,51 @@ def measure(mode: str, steps: int, out: Path) -> None:
     torch.set_num_threads(1)  # one core per rank in every mode, as Lightning's DDP sets for 2 ranks on 2 cores
     torch.manual_seed(0)
     model, clock = WideMLP(batches=steps), BatchClock()
-    trainer = L.Trainer(strategy=_strategy(mode), accelerator="cpu", devices=2, max_steps=steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[clock])
+    trainer = L.Trainer(
+        strategy=_strategy(mode),
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+    )
     trainer.fit(model)
     if trainer.is_global_zero:
-        out.write_text(json.dumps({
-            "step_ms": 1000 * step_seconds(clock.batch_ends),
-            "worker_rss_before_model_mib": model.rss_mib["before_model"],
-            "worker_peak_rss_mib": model.rss_mib["peak"],
-            "worker_model_mib": model.rss_mib["peak"] - model.rss_mib["before_model"],
-            "worker_state_mib": model.rss_mib["state"],
-        }))
+        out.write_text(
+            json.dumps(
+                {
+                    "step_ms": 1000 * step_seconds(clock.batch_ends),
+                    "worker_rss_before_model_mib": model.rss_mib["before_model"],
+                    "worker_peak_rss_mib": model.rss_mib["peak"],
+                    "worker_model_mib": model.rss_mib["peak"] - model.rss_mib["before_model"],
+                    "worker_state_mib": model.rss_mib["state"],
+                }
+            )
+        )
 
 
 def run_one(mode: str, steps: int, memory: bool) -> dict[str, Any]:
     """One run in fresh processes: the memory run (``MEMORY_RUN_ENV``) or the timed run."""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "result.json"
-        command = [sys.executable, "-m", "benchmarks.sharded", "--measure", mode, "--steps", str(steps), "--out", str(out)]
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.sharded",
+            "--measure",
+            mode,
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+        ]
         environment = {**os.environ, **(MEMORY_RUN_ENV if memory else {})}
-        done = subprocess.run(command, capture_output=True, text=True, cwd=RESULTS.parent.parent, timeout=900,
-                              env=environment)
+        done = subprocess.run(
+            command, capture_output=True, text=True, cwd=RESULTS.parent.parent, timeout=900, env=environment
+        )
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"{mode} failed (exit code {done.returncode}):\n{done.stderr[-3000:]}")
         return json.loads(out.read_text())
@@ -158,6 +187,7 @@ def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
     """Medians per mode: the time per step and what the tensors take from the timed runs, the
     peak RSS from the memory runs (and from the timed runs, with glibc's caching, for reference);
     and monarch_fsdp's ratios to the replicas."""
+
     def median(kind: str, mode: str, key: str) -> float:
         return statistics.median(run[key] for run in runs[kind][mode])
 
@@ -223,10 +253,18 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     m = summary["medians"]
     figure, (memory, speed) = plt.subplots(1, 2, figsize=(9, 4))
     width = 0.4
-    memory.bar([i - width / 2 for i in range(len(MODES))], [m[mode]["worker_state_mib"] for mode in MODES], width,
-               label="params + grads + Adam state held")
-    memory.bar([i + width / 2 for i in range(len(MODES))], [m[mode]["worker_model_mib"] for mode in MODES], width,
-               label="peak RSS above the start")
+    memory.bar(
+        [i - width / 2 for i in range(len(MODES))],
+        [m[mode]["worker_state_mib"] for mode in MODES],
+        width,
+        label="params + grads + Adam state held",
+    )
+    memory.bar(
+        [i + width / 2 for i in range(len(MODES))],
+        [m[mode]["worker_model_mib"] for mode in MODES],
+        width,
+        label="peak RSS above the start",
+    )
     memory.set_xticks(range(len(MODES)), MODES)
     memory.set_ylabel("MiB per worker")
     memory.set_ylim(0, 1.35 * max(m[mode]["worker_model_mib"] for mode in MODES))
@@ -248,7 +286,9 @@ def main() -> None:
     if args.measure:
         measure(args.measure, args.steps, args.out)
         return
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {kind: {mode: [] for mode in MODES} for kind in ("timed", "memory")}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        kind: {mode: [] for mode in MODES} for kind in ("timed", "memory")
+    }
     for rep in range(args.reps):
         for kind in runs:
             for mode in MODES:

@@ -1,70 +1,79 @@
 """lightning_monarch: PyTorch Lightning's single-controller strategy on PyTorch Monarch.
 
-``import lightning_monarch`` registers ``Trainer(strategy="monarch")`` and
-``Trainer(strategy="monarch_fsdp")``. The user's process becomes the controller: it runs
-Lightning's loops, callbacks, loggers and checkpoints once, while one Monarch worker per device
-runs the LightningModule with DDP (or, under ``"monarch_fsdp"``, sharded with FSDP2).
+``import lightning_monarch`` makes your process the controller
+(:func:`lightning_monarch.controller.install.install`): it registers
+``Trainer(strategy="monarch")`` (:class:`MonarchStrategy`) and ``Trainer(strategy="monarch_fsdp")``
+(:class:`MonarchFSDPStrategy`). The controller runs Lightning's loops, callbacks, loggers and
+checkpoints once, while one Monarch worker per device runs the LightningModule with DDP (or,
+under ``MonarchFSDPStrategy``, sharded with FSDP2).
+
+In a process that Monarch launched for a worker mesh the package is imported for its shared
+modules and ``worker/`` only: nothing of the controller is installed there, and its modules are
+imported only if the user's own code asks for one of their names.
 """
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.strategies import StrategyRegistry
-
-from lightning_monarch import _compat
-from lightning_monarch.accelerator import WorkerGPUAccelerator
-from lightning_monarch.controller.checkpoints import convert_sharded_checkpoint
-from lightning_monarch.controller.plan import observe_only
-from lightning_monarch.controller.pool import stop_meshes
-from lightning_monarch.controller.stats import MeshStatsMonitor
+from lightning_monarch._compat import monarch as monarch_compat
 from lightning_monarch.errors import (
     DivergenceError,
     MeshFailureError,
+    PreflightError,
     UnreachableHostsError,
     WorkerError,
     WorkerTimeoutError,
 )
-from lightning_monarch.strategy import MonarchStrategy
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:  # for type checkers and the API reference; at run time, __getattr__ below
+    from lightning_monarch.controller.accelerator import WorkerGPUAccelerator
+    from lightning_monarch.controller.checkpoints import convert_sharded_checkpoint
+    from lightning_monarch.controller.plan import observe_only
+    from lightning_monarch.controller.pool import stop_meshes
+    from lightning_monarch.controller.stats import MeshStatsMonitor
+    from lightning_monarch.fsdp import MonarchFSDPStrategy
+    from lightning_monarch.strategy import MonarchStrategy
+
+#: The controller's public names, by the module that defines them. They are imported on first use
+#: (:func:`__getattr__`), so that a worker that imports a user's module which imports one of them
+#: gets it without running the controller's install step.
+_CONTROLLER_NAMES = {
+    "MeshStatsMonitor": "lightning_monarch.controller.stats",
+    "MonarchFSDPStrategy": "lightning_monarch.fsdp",
+    "MonarchStrategy": "lightning_monarch.strategy",
+    "WorkerGPUAccelerator": "lightning_monarch.controller.accelerator",
+    "convert_sharded_checkpoint": "lightning_monarch.controller.checkpoints",
+    "observe_only": "lightning_monarch.controller.plan",
+    "stop_meshes": "lightning_monarch.controller.pool",
+}
 
 __all__ = [
     "DivergenceError",
     "MeshFailureError",
     "MeshStatsMonitor",
+    "MonarchFSDPStrategy",
     "MonarchStrategy",
+    "PreflightError",
+    "UnreachableHostsError",
     "WorkerError",
     "WorkerGPUAccelerator",
     "WorkerTimeoutError",
-    "UnreachableHostsError",
     "convert_sharded_checkpoint",
     "observe_only",
     "stop_meshes",
 ]
-__version__ = "0.1.0"
-
-StrategyRegistry.register(
-    MonarchStrategy.strategy_name,
-    MonarchStrategy,
-    description="Single-controller training on a PyTorch Monarch worker mesh",
-    override=True,
-)
-#: The registered name of ``MonarchStrategy(parallelism="fsdp")``.
-SHARDED_STRATEGY_NAME = "monarch_fsdp"
-
-StrategyRegistry.register(
-    SHARDED_STRATEGY_NAME,
-    MonarchStrategy,
-    description="Single-controller training on a PyTorch Monarch worker mesh, the module sharded with FSDP2",
-    override=True,
-    parallelism="fsdp",
-)
 
 
-def _route_gpu_to_workers(strategy: Any, accelerator: Any) -> Any:
-    """Under strategy="monarch", ``accelerator="gpu"``/``"cuda"`` names the workers' GPUs."""
-    is_monarch = strategy in (MonarchStrategy.strategy_name, SHARDED_STRATEGY_NAME) or isinstance(strategy, MonarchStrategy)
-    if is_monarch and isinstance(accelerator, str) and accelerator in ("gpu", "cuda"):
-        WorkerGPUAccelerator.check_available(accelerator)
-        return WorkerGPUAccelerator()
-    return accelerator
+def __getattr__(name: str) -> Any:
+    """``lightning_monarch.MonarchStrategy`` and the other controller names, imported on first use."""
+    if name not in _CONTROLLER_NAMES:
+        raise AttributeError(f"module 'lightning_monarch' has no attribute {name!r}")
+    return getattr(importlib.import_module(_CONTROLLER_NAMES[name]), name)
 
 
-_compat.route_accelerator(_route_gpu_to_workers)
+if not monarch_compat.launched_by_monarch():
+    from lightning_monarch.controller.install import install
+
+    install()

@@ -3,12 +3,12 @@
 Runs in the user's shell on the controller's machine (``python -m lightning_monarch`` is the same).
 
 - ``info`` builds the Trainer that ``Trainer(strategy="monarch", ...)`` would build and asks its
-  strategy what it would start (``MonarchStrategy.mesh_key()``), so the two cannot disagree. It
+  strategy what it would start (``MonarchStrategy._mesh_key()``), so the two cannot disagree. It
   starts no worker and initializes no GPU in this process: GPUs are counted through NVML (or
   amdsmi on ROCm), as Lightning does.
-- ``preflight`` starts the mesh and checks every worker (``lightning_monarch.preflight``).
+- ``preflight`` starts the mesh and checks every worker (``lightning_monarch.controller.preflight``).
 - ``benchmark`` times ``monarch`` against ``ddp`` on this machine (``lightning_monarch.benchmark``).
-- ``convert`` turns a sharded checkpoint directory (``parallelism="fsdp"``) into one Lightning
+- ``convert`` turns a sharded checkpoint directory (``MonarchFSDPStrategy``) into one Lightning
   checkpoint file, in this process alone (``lightning_monarch.convert_sharded_checkpoint``).
 
 Bad input is rejected before anything starts, with the fix in the message. Exit codes: 0 done,
@@ -25,9 +25,10 @@ import os
 import platform
 import socket
 import sys
+from collections.abc import Iterator
 from functools import partial
 from importlib.metadata import version
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch
@@ -35,9 +36,9 @@ from lightning.fabric.accelerators.cuda import num_cuda_devices
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_monarch
-from lightning_monarch import preflight
 from lightning_monarch.benchmark.compare import BenchmarkError, compare
 from lightning_monarch.benchmark.models import SIZES
+from lightning_monarch.controller import preflight
 from lightning_monarch.devices import VISIBILITY_VARS, visibility
 from lightning_monarch.protocol import versions, worker_backend
 from lightning_monarch.strategy import MonarchStrategy
@@ -64,15 +65,18 @@ def _devices_argument(text: str) -> Devices:
         ) from None
 
 
-def describe(devices: Devices, accelerator: str, num_nodes: int = 1,
-             process_group_backend: Optional[str] = None) -> dict[str, Any]:
+def describe(
+    devices: Devices, accelerator: str, num_nodes: int = 1, process_group_backend: Optional[str] = None
+) -> dict[str, Any]:
     """Versions, this host's devices, and what ``Trainer(strategy="monarch", ...)`` would start.
 
     Runs in this process and starts nothing. The workers, their backend and the GPU each is pinned
     to come from the strategy of a real Trainer built with these arguments; on several hosts each
     host pins its workers from its own visibility mask, so only the device indices are known here.
     """
-    arguments = f"accelerator={accelerator!r}, devices={devices!r}" + (f", num_nodes={num_nodes}" if num_nodes != 1 else "")
+    arguments = f"accelerator={accelerator!r}, devices={devices!r}" + (
+        f", num_nodes={num_nodes}" if num_nodes != 1 else ""
+    )
     call = f"Trainer(strategy={_strategy_argument(process_group_backend)}, {arguments})"
     strategy = MonarchStrategy(process_group_backend=process_group_backend)
     # Hosts other than this one come from `MonarchStrategy(hosts=...)`, which connects to them at
@@ -80,17 +84,28 @@ def describe(devices: Devices, accelerator: str, num_nodes: int = 1,
     # mask, so on several hosts this one's mask says nothing of theirs.
     with _mask_of_this_host(applies=num_nodes == 1):
         try:
-            L.Trainer(strategy=strategy, accelerator=accelerator, devices=devices, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+            L.Trainer(
+                strategy=strategy,
+                accelerator=accelerator,
+                devices=devices,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+            )
         except (TypeError, ValueError) as error:  # how Lightning rejects some `devices` values
             raise UsageError(f"`{call}`: {error}") from error
-        key = strategy.mesh_key()
+        key = strategy._mesh_key()
     # The workers' own DDPStrategy picks Lightning's default backend for their device.
     backend = worker_backend(key.accelerator, key.process_group_backend)
     pins = [dict([pin]) for pin in key.pins] if key.pins is not None and num_nodes == 1 else None
     return {
-        "versions": {"python": platform.python_version(), **versions(), "torchmonarch": version("torchmonarch"),
-                     "lightning_monarch": lightning_monarch.__version__},
+        "versions": {
+            "python": platform.python_version(),
+            **versions(),
+            "torchmonarch": version("torchmonarch"),
+            "lightning_monarch": lightning_monarch.__version__,
+        },
         "host": {
             "name": socket.gethostname(),
             "cpus": os.cpu_count(),
@@ -133,17 +148,27 @@ def render_info(info: dict[str, Any]) -> str:
     trainer = info["trainer"]
     host = info["host"]
     lines = ["Versions"]
-    lines += [f"  {name:<18}{found[name] or '-'}" for name in
-              ("python", "torch", "cuda", "hip", "lightning", "torchmonarch", "lightning_monarch")]
+    lines += [
+        f"  {name:<18}{found[name] or '-'}"
+        for name in ("python", "torch", "cuda", "hip", "lightning", "torchmonarch", "lightning_monarch")
+    ]
     lines += ["", f"This host ({host['name']})", f"  {host['cpus']} CPUs, {host['gpus']} GPU(s) visible to torch"]
     visibility = " ".join(f"{name}={value}" for name, value in host["visibility"].items())
     lines.append(f"  visibility variables: {visibility or 'none set'}")
-    where = "on this host" if trainer["num_nodes"] == 1 else (
-        f"({trainer['workers_per_host']} on each of {trainer['num_nodes']} hosts, which MonarchStrategy(hosts=...)"
-        " names: a SlurmJob, KubernetesJob, ProcessJob, HostMesh or worker addresses)")
-    lines += ["", f"{trainer['call']} would start",
-              f"  {trainer['workers']} worker process(es) {where}",
-              f"  accelerator {trainer['accelerator']}, backend {trainer['process_group_backend']}"]
+    where = (
+        "on this host"
+        if trainer["num_nodes"] == 1
+        else (
+            f"({trainer['workers_per_host']} on each of {trainer['num_nodes']} hosts, which MonarchStrategy(hosts=...)"
+            " names: a SlurmJob, KubernetesJob, ProcessJob, HostMesh or worker addresses)"
+        )
+    )
+    lines += [
+        "",
+        f"{trainer['call']} would start",
+        f"  {trainer['workers']} worker process(es) {where}",
+        f"  accelerator {trainer['accelerator']}, backend {trainer['process_group_backend']}",
+    ]
     lines.append(f"  {'local rank':<12}pinned to")
     for rank in range(trainer["workers_per_host"]):
         if trainer["device_indices"] is None:
@@ -174,7 +199,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _preflight(args: argparse.Namespace) -> int:
-    """``lightning-monarch preflight``: ``python -m lightning_monarch.preflight``, after this host's checks."""
+    """``lightning-monarch preflight``: start the workers and check each one, after this host's checks."""
     _check_count(args.devices)
     return preflight.run(args)
 
@@ -186,9 +211,11 @@ def _benchmark(args: argparse.Namespace) -> int:
         raise UsageError(f"--steps {args.steps} --reps {args.reps}: give 1 or more of each (e.g. --steps 20 --reps 2).")
     plan = describe(args.devices, args.accelerator)["trainer"]  # rejects what the Trainer would, before any run
     progress = partial(print, file=sys.stderr, flush=True)
-    progress(f"Timing {args.steps} steps of the {args.size} model under strategy='monarch' ({plan['workers']}"
-             f" {plan['accelerator']} workers, {plan['process_group_backend']}) and strategy='ddp', {args.reps} time(s)"
-             " each, every run in a fresh process ...")
+    progress(
+        f"Timing {args.steps} steps of the {args.size} model under strategy='monarch' ({plan['workers']}"
+        f" {plan['accelerator']} workers, {plan['process_group_backend']}) and strategy='ddp', {args.reps} time(s)"
+        " each, every run in a fresh process ..."
+    )
     try:
         comparison = compare(args.size, args.steps, args.accelerator, args.devices, args.reps, progress)
     except BenchmarkError as error:
@@ -209,12 +236,16 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: one subcommand per tool; ``preflight`` takes ``lightning_monarch.preflight``'s options."""
+    """The command line: one subcommand per tool; ``preflight`` takes ``controller.preflight``'s options."""
     parser = argparse.ArgumentParser(prog=PROG, description="Tools for Lightning's strategy='monarch'.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    info = commands.add_parser("info", help="versions, devices and what strategy='monarch' would start",
-                               description=describe.__doc__.splitlines()[0])
+    assert describe.__doc__ is not None  # documented; the descriptions are their first lines
+    info = commands.add_parser(
+        "info",
+        help="versions, devices and what strategy='monarch' would start",
+        description=describe.__doc__.splitlines()[0],
+    )
     info.add_argument("--devices", type=_devices_argument, default="auto", help="as Trainer(devices=...)")
     info.add_argument("--accelerator", default="auto", choices=["auto", "cpu", *_GPU])
     info.add_argument("--num-nodes", type=int, default=1, help="as Trainer(num_nodes=...)")
@@ -222,12 +253,16 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(run=_info)
 
-    checks = commands.add_parser("preflight", help="start the workers and check each one",
-                                 description=preflight.__doc__.splitlines()[0])
+    checks = commands.add_parser(
+        "preflight", help="start the workers and check each one", description=preflight.__doc__.splitlines()[0]
+    )
     preflight.add_arguments(checks).set_defaults(run=_preflight)
 
-    benchmark = commands.add_parser("benchmark", help="time strategy='monarch' against 'ddp' here",
-                                    description="Time strategy='monarch' against strategy='ddp' on this machine.")
+    benchmark = commands.add_parser(
+        "benchmark",
+        help="time strategy='monarch' against 'ddp' here",
+        description="Time strategy='monarch' against strategy='ddp' on this machine.",
+    )
     benchmark.add_argument("--devices", type=int, default=2, help="workers (ddp: ranks) on this host")
     benchmark.add_argument("--accelerator", default="auto", choices=["auto", "cpu", *_GPU])
     benchmark.add_argument("--size", default="medium", choices=list(SIZES), help="the model's size")
@@ -236,9 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
     benchmark.add_argument("--json", action="store_true", help="print JSON")
     benchmark.set_defaults(run=_benchmark)
 
-    convert = commands.add_parser("convert", help="a sharded checkpoint directory to one checkpoint file",
-                                  description=lightning_monarch.convert_sharded_checkpoint.__doc__.splitlines()[0])
-    convert.add_argument("source", help="the sharded checkpoint directory (parallelism='fsdp')")
+    assert lightning_monarch.convert_sharded_checkpoint.__doc__ is not None
+    convert = commands.add_parser(
+        "convert",
+        help="a sharded checkpoint directory to one checkpoint file",
+        description=lightning_monarch.convert_sharded_checkpoint.__doc__.splitlines()[0],
+    )
+    convert.add_argument("source", help="the sharded checkpoint directory (`MonarchFSDPStrategy`)")
     convert.add_argument("destination", help="the single-file Lightning checkpoint to write")
     convert.set_defaults(run=_convert)
     return parser
@@ -251,7 +290,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the Trainer's info lines are noise here
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.WARNING)  # the Trainer's info lines are noise here; put back after
     try:
         return args.run(args)
     except (UsageError, MisconfigurationException) as error:
@@ -260,3 +301,5 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:  # the processes it started were stopped on the way out
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        lightning_log.setLevel(level)

@@ -23,6 +23,8 @@ from typing import Optional
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_monarch._compat import torch as torch_compat
+
 #: The variables that decide which GPUs a process sees, outermost first.
 VISIBILITY_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 _ROCM_DEFAULT = "HIP_VISIBLE_DEVICES"
@@ -69,8 +71,7 @@ def host_gpu_count() -> Optional[int]:
     which ignore the visibility variables and initialize no GPU; ``None`` where neither library
     is installed."""
     try:
-        counter = torch.cuda._raw_device_count_amdsmi if torch.version.hip else torch.cuda._raw_device_count_nvml
-        count = counter()
+        count = torch_compat.raw_gpu_count(rocm=torch.version.hip is not None)
     except (AttributeError, OSError, RuntimeError):  # an older torch, or no NVML / AMD SMI library
         return None
     return count if count >= 0 else None

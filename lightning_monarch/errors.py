@@ -29,8 +29,10 @@ class WorkerError(RuntimeError):
 def _under_monarch(message: str) -> str:
     """The fix under strategy='monarch' where a worker's error names a fix for ``strategy="ddp"``."""
     if "find_unused_parameters" in message:
-        return ("\n\nUnder strategy='monarch', the workers' DDP takes the same keyword:"
-                " `Trainer(strategy=MonarchStrategy(find_unused_parameters=True))`.")
+        return (
+            "\n\nUnder strategy='monarch', the workers' DDP takes the same keyword:"
+            " `Trainer(strategy=MonarchStrategy(find_unused_parameters=True))`."
+        )
     return ""
 
 
@@ -56,3 +58,8 @@ class UnreachableHostsError(MisconfigurationException):
 class DivergenceError(RuntimeError):
     """The controller's Lightning loop and the workers' reached different hooks, or the controller
     changed or read what the workers had already moved past (R3, R6). The message names where."""
+
+
+class PreflightError(RuntimeError):
+    """Workers failed their checks before the first step (``lightning-monarch preflight`` runs the
+    same checks alone); the message lists every problem, by host and rank."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from lightning.pytorch import Callback
 
@@ -54,7 +55,7 @@ def _gated(gate: str, bound: Callable[..., Any], around: Around) -> Callable[...
 
     # Lightning's ``is_overridden`` follows one ``__wrapped__`` and reads ``__code__``: give it the
     # innermost function (LightningCLI sets ``configure_optimizers`` to a method of a ``partial``).
-    gated.__wrapped__ = inspect.unwrap(bound)  # type: ignore[attr-defined]
+    gated.__wrapped__ = inspect.unwrap(bound)
     gated._lightning_monarch_gate = True  # type: ignore[attr-defined]
     return gated
 

@@ -48,20 +48,26 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from torch.utils._pytree import tree_map
+from typing_extensions import override
+
+from lightning_monarch._compat.torch import tree_map
 
 #: Hooks that both a ``LightningModule`` and a ``Callback`` have (the callback's take the Trainer
 #: and the module first).
-_SHARED_HOOKS: tuple[str, ...] = tuple(
-    f"on_{event}"
-    for stage in ("fit", "train", "validation", "test", "predict")
-    for event in (f"{stage}_start", f"{stage}_end")
-) + tuple(
-    f"on_{stage}_{scope}_{event}"
-    for stage in ("train", "validation", "test", "predict")
-    for scope in ("epoch", "batch")
-    for event in ("start", "end")
-) + ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
+_SHARED_HOOKS: tuple[str, ...] = (
+    tuple(
+        f"on_{event}"
+        for stage in ("fit", "train", "validation", "test", "predict")
+        for event in (f"{stage}_start", f"{stage}_end")
+    )
+    + tuple(
+        f"on_{stage}_{scope}_{event}"
+        for stage in ("train", "validation", "test", "predict")
+        for scope in ("epoch", "batch")
+        for event in ("start", "end")
+    )
+    + ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
+)
 
 #: Hooks of a ``LightningDataModule`` that gate (R2); a ``LightningModule`` has them too.
 DATAMODULE_HOOKS: tuple[str, ...] = (
@@ -79,32 +85,37 @@ DATAMODULE_HOOKS: tuple[str, ...] = (
 
 #: Hooks of a ``LightningModule`` that gate (R2). ``on_save_checkpoint`` is absent: the controller
 #: calls it while it writes a checkpoint, which the workers never do, so it runs out of band.
-MODULE_HOOKS: tuple[str, ...] = DATAMODULE_HOOKS + _SHARED_HOOKS + (
-    "configure_callbacks",
-    "configure_model",
-    "configure_sharded_model",
-    "configure_optimizers",
-    "on_validation_model_zero_grad",
-    "on_validation_model_eval",
-    "on_validation_model_train",
-    "on_test_model_eval",
-    "on_test_model_train",
-    "on_predict_model_eval",
-    "training_step",
-    "validation_step",
-    "test_step",
-    "predict_step",
-    "optimizer_zero_grad",
-    "backward",
-    "configure_gradient_clipping",
-    "optimizer_step",
-    "lr_scheduler_step",
-    "on_load_checkpoint",
+MODULE_HOOKS: tuple[str, ...] = (
+    DATAMODULE_HOOKS
+    + _SHARED_HOOKS
+    + (
+        "configure_callbacks",
+        "configure_model",
+        "configure_sharded_model",
+        "configure_optimizers",
+        "on_validation_model_zero_grad",
+        "on_validation_model_eval",
+        "on_validation_model_train",
+        "on_test_model_eval",
+        "on_test_model_train",
+        "on_predict_model_eval",
+        "training_step",
+        "validation_step",
+        "test_step",
+        "predict_step",
+        "optimizer_zero_grad",
+        "backward",
+        "configure_gradient_clipping",
+        "optimizer_step",
+        "lr_scheduler_step",
+        "on_load_checkpoint",
+    )
 )
 
 #: Callback hooks that gate (R2). Checkpoint hooks and ``on_exception`` are absent: the first run
 #: out of band, the second runs on each side's own failure path.
 CALLBACK_HOOKS: tuple[str, ...] = ("setup", "teardown", "on_sanity_check_start", "on_sanity_check_end") + _SHARED_HOOKS
+
 
 @dataclass(frozen=True)
 class Gate:
@@ -127,8 +138,11 @@ _PLAIN = Gate()
 
 
 def _gate_table() -> dict[str, Gate]:
-    table = {gate_id(owner, hook): _PLAIN for owner, hooks in (
-        ("module", MODULE_HOOKS), ("datamodule", DATAMODULE_HOOKS), ("callback", CALLBACK_HOOKS)) for hook in hooks}
+    table = {
+        gate_id(owner, hook): _PLAIN
+        for owner, hooks in (("module", MODULE_HOOKS), ("datamodule", DATAMODULE_HOOKS), ("callback", CALLBACK_HOOKS))
+        for hook in hooks
+    }
     for step in ("training_step", "validation_step", "test_step"):
         table[gate_id("module", step)] = Gate(result="outputs")
     table[gate_id("module", "predict_step")] = Gate(result="prediction")
@@ -156,8 +170,12 @@ def versions() -> dict[str, Optional[str]]:
     import lightning
     import torch
 
-    return {"torch": torch.__version__, "lightning": lightning.__version__, "cuda": torch.version.cuda,
-            "hip": torch.version.hip}
+    return {
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+    }
 
 
 def worker_backend(accelerator: str, chosen: Optional[str]) -> str:
@@ -195,7 +213,7 @@ GATES: dict[str, Gate] = _gate_table()
 
 @dataclass(frozen=True)
 class ShardingSpec:
-    """How the workers shard the module under ``MonarchStrategy(parallelism="fsdp")``: with
+    """How the workers shard the module under ``MonarchFSDPStrategy``: with
     FSDP2's ``fully_shard``, each instance of the ``policy`` module classes, then the root module,
     after the module's own ``configure_model`` (which may shard it itself; see ``worker.sharding``).
     The options apply to the ``fully_shard`` calls the workers make, not to the module's own."""
@@ -212,7 +230,7 @@ class ShardingSpec:
         """The warning for a policy that names no class of the module's submodules."""
         names = ", ".join(cls.__name__ for cls in self.policy)
         return (
-            f"`MonarchStrategy(parallelism='fsdp', fsdp_policy={{{names}}})`: the module has no submodule of these"
+            f"`MonarchFSDPStrategy(fsdp_policy={{{names}}})`: the module has no submodule of these"
             " classes, so FSDP2 shards it as one unit (the root module) and every step gathers all of its"
             " parameters at once. Name the classes of its repeated blocks (e.g. its transformer layers) in"
             " `fsdp_policy`."
@@ -286,7 +304,7 @@ class ResumePoint:
     module attributes from ``ranks``; from there the controller replays its journal.
 
     ``checkpoint`` is rank 0's Lightning checkpoint (``torch.save`` bytes) under ``ddp``, and under
-    ``parallelism="fsdp"`` the path of the sharded checkpoint directory that every rank wrote its
+    ``MonarchFSDPStrategy`` the path of the sharded checkpoint directory that every rank wrote its
     shards into (``controller.checkpoints.SnapshotDirectory``)."""
 
     checkpoint: Union[bytes, str]
@@ -309,12 +327,12 @@ class StageSpec:
     ckpt_path: Optional[str]
     fit_loop_state: dict[str, Any]
     trainer: TrainerConfig
-    loggers: list["LoggerIdentity"]
+    loggers: list[LoggerIdentity]
     sys_path: tuple[str, ...]
     #: Environment variables to set on the worker; ``None`` unsets one.
     env: dict[str, Optional[str]]
     #: How far the workers may lead, where they wait, what their entries carry (R4-R6).
-    run_ahead: "RunAhead"
+    run_ahead: RunAhead
     #: Set when new workers replace failed ones: the snapshot they resume from.
     resume: Optional[ResumePoint] = None
 
@@ -355,6 +373,7 @@ class SyncRule:
 class Always(SyncRule):
     """Every time."""
 
+    @override
     def due(self, trainer: Any) -> bool:
         return True
 
@@ -366,6 +385,7 @@ class EveryNTrainSteps(SyncRule):
 
     n: int
 
+    @override
     def due(self, trainer: Any) -> bool:
         return trainer.global_step % self.n == 0
 
@@ -377,6 +397,7 @@ class SnapshotEpochs(SyncRule):
 
     every: int
 
+    @override
     def due(self, trainer: Any) -> bool:
         return trainer.current_epoch > 0 and trainer.current_epoch % self.every == 0
 
@@ -387,6 +408,7 @@ class AnyOf(SyncRule):
 
     rules: tuple[SyncRule, ...]
 
+    @override
     def due(self, trainer: Any) -> bool:
         return any(rule.due(trainer) for rule in self.rules)
 
@@ -441,7 +463,7 @@ class _Omitted:
 OMITTED = _Omitted()
 
 
-@dataclass
+@dataclass(frozen=True)
 class Entry:
     """What rank 0 recorded at one gate (R3). The arrival fields were read when the worker reached
     the gate, before the hook ran; the others after it. ``gate=None`` marks the end of the stage,
@@ -469,7 +491,7 @@ class Entry:
     loader_lengths: Optional[dict[str, list[Optional[int]]]] = None
     #: Arrival, when changed: per stage, how many batches the loop's data fetcher has taken.
     fetched_batches: Optional[dict[str, int]] = None
-    failure: Optional["WorkerFailure"] = None
+    failure: Optional[WorkerFailure] = None
 
 
 @dataclass(frozen=True)
@@ -496,7 +518,7 @@ class RankStatus:
 
     rank: int
     gates: int
-    failure: Optional["WorkerFailure"] = None
+    failure: Optional[WorkerFailure] = None
 
 
 @dataclass(frozen=True)
@@ -515,7 +537,6 @@ class OptimizerRef:
 class SchedulerRef:
     """An LR scheduler the user's ``configure_optimizers`` returned, described for the controller."""
 
-    class_name: str
     optimizer_index: int
     reduce_on_plateau: bool
 
@@ -553,7 +574,7 @@ class WorkerFailure:
     traceback: str
 
     @classmethod
-    def capture(cls, error: BaseException, rank: int, hook: Optional[str]) -> "WorkerFailure":
+    def capture(cls, error: BaseException, rank: int, hook: Optional[str]) -> WorkerFailure:
         """Describe ``error``, raised on this host at rank ``rank`` in ``hook``, with its traceback."""
         return cls(
             rank=rank,

@@ -9,10 +9,10 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed
 import torchmetrics
 from lightning.pytorch.callbacks import BasePredictionWriter, LambdaCallback
 from torch import nn
-import torch.distributed
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from tests.models import ClassificationData, Classifier
@@ -59,7 +59,10 @@ class ManualGAN(L.LightningModule):
     def configure_optimizers(self) -> Any:
         g_opt = torch.optim.Adam(self.generator.parameters(), lr=2e-3)
         d_opt = torch.optim.SGD(self.discriminator.parameters(), lr=1e-2)
-        return [g_opt, d_opt], [torch.optim.lr_scheduler.StepLR(g_opt, 1, 0.5), torch.optim.lr_scheduler.StepLR(d_opt, 1, 0.9)]
+        return [g_opt, d_opt], [
+            torch.optim.lr_scheduler.StepLR(g_opt, 1, 0.5),
+            torch.optim.lr_scheduler.StepLR(d_opt, 1, 0.9),
+        ]
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(ClassificationData(96), batch_size=8, shuffle=True)
@@ -229,7 +232,7 @@ class StreamData(IterableDataset):
         self.data = ClassificationData(size)
 
     def __iter__(self) -> Any:
-        return iter(zip(*self.data.tensors))
+        return iter(zip(*self.data.tensors, strict=True))
 
 
 class StreamClassifier(Classifier):
@@ -300,12 +303,14 @@ class CollectiveReader(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         loss = trainer.callback_metrics["train_loss_step"]
-        self.record.append({
-            "mean": float(trainer.strategy.reduce(loss, reduce_op="mean")),
-            "sum": float(trainer.strategy.reduce(loss, reduce_op="sum")),
-            "gathered": trainer.strategy.all_gather(loss).tolist(),
-            "broadcast": trainer.strategy.broadcast(float(loss)),
-        })
+        self.record.append(
+            {
+                "mean": float(trainer.strategy.reduce(loss, reduce_op="mean")),
+                "sum": float(trainer.strategy.reduce(loss, reduce_op="sum")),
+                "gathered": trainer.strategy.all_gather(loss).tolist(),
+                "broadcast": trainer.strategy.broadcast(float(loss)),
+            }
+        )
 
 
 class EpochRecorder(LambdaCallback):
@@ -313,9 +318,15 @@ class EpochRecorder(LambdaCallback):
 
     def __init__(self) -> None:
         self.record: list[dict[str, Any]] = []
-        super().__init__(on_validation_end=lambda trainer, module: self.record.append(
-            {"epoch": trainer.current_epoch, "step": trainer.global_step,
-             "val_loss": float(trainer.callback_metrics["val_loss"])}))
+        super().__init__(
+            on_validation_end=lambda trainer, module: self.record.append(
+                {
+                    "epoch": trainer.current_epoch,
+                    "step": trainer.global_step,
+                    "val_loss": float(trainer.callback_metrics["val_loss"]),
+                }
+            )
+        )
 
 
 class GrowingDataClassifier(Classifier):
@@ -332,11 +343,21 @@ class RankPredictionWriter(BasePredictionWriter):
         super().__init__(write_interval="batch")
         self.directory = directory
 
-    def write_on_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, prediction: Any,
-                           batch_indices: Any, batch: Any, batch_idx: int, dataloader_idx: int) -> None:
+    def write_on_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        prediction: Any,
+        batch_indices: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
+    ) -> None:
         os.makedirs(self.directory, exist_ok=True)
-        torch.save({"prediction": prediction, "indices": list(batch_indices)},
-                   os.path.join(self.directory, f"rank{trainer.global_rank}-batch{batch_idx}.pt"))
+        torch.save(
+            {"prediction": prediction, "indices": list(batch_indices)},
+            os.path.join(self.directory, f"rank{trainer.global_rank}-batch{batch_idx}.pt"),
+        )
 
 
 class ViewsRecorder(L.Callback):
@@ -346,10 +367,12 @@ class ViewsRecorder(L.Callback):
         self.record: list[dict[str, dict[str, float]]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.record.append({
-            "progress_bar_metrics": {key: float(value) for key, value in trainer.progress_bar_metrics.items()},
-            "callback_metrics": {key: float(value) for key, value in trainer.callback_metrics.items()},
-        })
+        self.record.append(
+            {
+                "progress_bar_metrics": {key: float(value) for key, value in trainer.progress_bar_metrics.items()},
+                "callback_metrics": {key: float(value) for key, value in trainer.callback_metrics.items()},
+            }
+        )
 
 
 class StopAtStep(L.Callback):

@@ -12,7 +12,7 @@ class PeakRss:
     """Samples this process's resident memory every millisecond in a thread while the block runs;
     ``growth`` is the peak above the level at the start."""
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         self._process = psutil.Process()
         self.start = self.peak = self._process.memory_info().rss
         self._done = threading.Event()

@@ -27,9 +27,16 @@ if __name__ == "__main__":
     source, destination = sys.argv[1:3]
     L.seed_everything(SEED)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
-        max_epochs=2, limit_train_batches=3, limit_val_batches=0, enable_checkpointing=False, logger=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
+        max_epochs=2,
+        limit_train_batches=3,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(ModelParallelTransformer(), ckpt_path=source)
     assert trainer.global_step == 6, trainer.global_step

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -13,15 +14,44 @@ from torch.utils.data import DataLoader, TensorDataset
 
 #: Every LightningModule hook whose order the parity test compares.
 TRACED_HOOKS = (
-    "setup", "configure_model", "configure_optimizers", "on_fit_start", "on_train_start",
-    "on_train_epoch_start", "on_train_batch_start", "on_before_batch_transfer", "transfer_batch_to_device",
-    "on_after_batch_transfer", "training_step", "on_before_zero_grad", "optimizer_zero_grad",
-    "on_before_backward", "backward", "on_after_backward", "on_before_optimizer_step",
-    "configure_gradient_clipping", "optimizer_step", "on_train_batch_end", "on_train_epoch_end",
-    "on_validation_start", "on_validation_epoch_start", "on_validation_batch_start", "validation_step",
-    "on_validation_batch_end", "on_validation_epoch_end", "on_validation_end", "on_validation_model_eval",
-    "on_validation_model_train", "on_validation_model_zero_grad", "lr_scheduler_step", "on_train_end",
-    "on_fit_end", "teardown", "on_save_checkpoint", "train_dataloader", "val_dataloader",
+    "setup",
+    "configure_model",
+    "configure_optimizers",
+    "on_fit_start",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_before_batch_transfer",
+    "transfer_batch_to_device",
+    "on_after_batch_transfer",
+    "training_step",
+    "on_before_zero_grad",
+    "optimizer_zero_grad",
+    "on_before_backward",
+    "backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "configure_gradient_clipping",
+    "optimizer_step",
+    "on_train_batch_end",
+    "on_train_epoch_end",
+    "on_validation_start",
+    "on_validation_epoch_start",
+    "on_validation_batch_start",
+    "validation_step",
+    "on_validation_batch_end",
+    "on_validation_epoch_end",
+    "on_validation_end",
+    "on_validation_model_eval",
+    "on_validation_model_train",
+    "on_validation_model_zero_grad",
+    "lr_scheduler_step",
+    "on_train_end",
+    "on_fit_end",
+    "teardown",
+    "on_save_checkpoint",
+    "train_dataloader",
+    "val_dataloader",
 )
 
 
@@ -125,8 +155,9 @@ class WarmupClassifier(Classifier):
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         optimizer.zero_grad(set_to_none=False)
 
-    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
-                                    gradient_clip_algorithm: Any = None) -> None:
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
         self.clip_gradients(optimizer, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
 
 

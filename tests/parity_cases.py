@@ -8,9 +8,10 @@ one recipe both strategies follow; only the ``strategy`` string differs.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -25,13 +26,12 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
+from monarch.job import ProcessJob
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
-from monarch.job import ProcessJob
-
-from lightning_monarch import MonarchStrategy, WorkerError, observe_only, stop_meshes
+from lightning_monarch import MonarchFSDPStrategy, MonarchStrategy, WorkerError, observe_only, stop_meshes
 from lightning_monarch.strategy import DEFAULT_MAX_AHEAD
 from tests import compat_models as compat
 from tests import models
@@ -57,8 +57,10 @@ class Case:
     #: Hosts of 2 workers each: under ``monarch`` a ``ProcessJob`` with that many hosts, under
     #: ``ddp`` one host with all the processes (the same ranks and the same arithmetic).
     hosts: int = 1
-    #: ``MonarchStrategy`` options that ``ddp`` has no counterpart for (``parallelism="fsdp"``).
+    #: ``MonarchStrategy`` options that ``ddp`` has no counterpart for.
     monarch_options: dict[str, Any] = field(default_factory=dict)
+    #: The workers shard the module: ``MonarchFSDPStrategy`` instead of ``MonarchStrategy``.
+    sharded: bool = False
     #: Lightning's defaults on: the progress bar and the model summary (:data:`WITH_LIGHTNINGS_DEFAULTS`).
     defaults: bool = False
     #: ``trainer.save_checkpoint`` after ``fit`` (``final.ckpt``); under ``monarch`` an error when a
@@ -96,7 +98,9 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "fit_again": lambda out: Case(models.Classifier(), {"max_epochs": 1}, stages=("fit", "fit_more", "test_best")),
     "gradient_callback": lambda out: Case(models.Classifier(), worker_callbacks=[compat.GradNormLogger()]),
     "backbone_finetuning": lambda out: Case(
-        compat.FinetuneClassifier(), {"max_epochs": 3}, worker_callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)]
+        compat.FinetuneClassifier(),
+        {"max_epochs": 3},
+        worker_callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
     ),
     "accumulation_scheduler": lambda out: Case(
         models.Classifier(), {"max_epochs": 3}, [GradientAccumulationScheduler({1: 2, 2: 3})]
@@ -117,8 +121,13 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "configure_callbacks": lambda out: Case(compat.SelfStoppingClassifier(), {"max_epochs": 6}),
     "loop_flags": lambda out: Case(
         compat.TwoValLoaderClassifier(),
-        {"limit_train_batches": 5, "val_check_interval": 2, "num_sanity_val_steps": 1, "max_steps": 9,
-         "limit_val_batches": 3},
+        {
+            "limit_train_batches": 5,
+            "val_check_interval": 2,
+            "num_sanity_val_steps": 1,
+            "max_steps": 9,
+            "limit_val_batches": 3,
+        },
     ),
     # the step's outputs arrive after the controller moved on (issue 4's deferred optimizer_step)
     "step_outputs": lambda out: Case(compat.StepOutputsClassifier(), {"max_epochs": 3}, [compat.OutputsRecorder()]),
@@ -129,14 +138,17 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "no_optimizer": lambda out: Case(compat.NoOptimizerClassifier(), default_callbacks=False),
     "controller_collectives": lambda out: Case(models.Classifier(), {"max_epochs": 1}, [compat.CollectiveReader()]),
     "checkpoint_every_n_steps": lambda out: Case(
-        models.Classifier(), callbacks=[ModelCheckpoint(dirpath=str(out / "steps"), every_n_train_steps=3, save_top_k=-1)]
+        models.Classifier(),
+        callbacks=[ModelCheckpoint(dirpath=str(out / "steps"), every_n_train_steps=3, save_top_k=-1)],
     ),
     "min_epochs": lambda out: Case(
-        models.Classifier(lr=0.02), {"max_epochs": 6, "min_epochs": 3},
+        models.Classifier(lr=0.02),
+        {"max_epochs": 6, "min_epochs": 3},
         [EarlyStopping(monitor="val_loss", min_delta=0.5, patience=0)],
     ),
     "min_steps": lambda out: Case(
-        models.Classifier(lr=0.02), {"max_epochs": 6, "min_steps": 20},
+        models.Classifier(lr=0.02),
+        {"max_epochs": 6, "min_steps": 20},
         [EarlyStopping(monitor="val_loss", min_delta=0.5, patience=0)],
     ),
     "reload_dataloaders": lambda out: Case(
@@ -153,7 +165,9 @@ CASES: dict[str, Callable[[Path], Case]] = {
     ),
     "controller_stops": lambda out: Case(models.Classifier(), {"max_epochs": 3}, [compat.StopAtStep(7)]),
     "prediction_writer": lambda out: Case(
-        models.Classifier(), {"max_epochs": 1}, stages=("fit", "predict"),
+        models.Classifier(),
+        {"max_epochs": 1},
+        stages=("fit", "predict"),
         worker_callbacks=[compat.RankPredictionWriter(str(out / "predictions"))],
     ),
 }
@@ -168,11 +182,25 @@ FAILING_CASES: dict[str, Callable[[Path], Case]] = {
 
 #: The cases run with Lightning's defaults on (the progress bar and the model summary), as users run
 #: them: a third of :data:`CASES`, one of each kind. The others turn them off, to keep the output short.
-WITH_LIGHTNINGS_DEFAULTS = frozenset({
-    "plain", "accumulate_clip", "datamodule", "early_stopping", "manual_gan", "torchmetrics", "resume",
-    "gradient_callback", "iterable_dataset", "loop_flags", "step_outputs", "configure_callbacks", "no_optimizer",
-    "min_steps", "reload_dataloaders",
-})
+WITH_LIGHTNINGS_DEFAULTS = frozenset(
+    {
+        "plain",
+        "accumulate_clip",
+        "datamodule",
+        "early_stopping",
+        "manual_gan",
+        "torchmetrics",
+        "resume",
+        "gradient_callback",
+        "iterable_dataset",
+        "loop_flags",
+        "step_outputs",
+        "configure_callbacks",
+        "no_optimizer",
+        "min_steps",
+        "reload_dataloaders",
+    }
+)
 
 
 #: Cases on several hosts: their ``ddp`` reference needs its own process group size, so it runs
@@ -236,20 +264,27 @@ class SelfShardingTransformer(TokenTransformer):
         fully_shard(self, mesh=self.device_mesh["data_parallel"])
 
 
-#: Cases whose workers shard the module (``parallelism="fsdp"``): DDP and FSDP2 reduce gradients
+#: Cases whose workers shard the module (``MonarchFSDPStrategy``): DDP and FSDP2 reduce gradients
 #: in another order, so ``tests/test_fsdp.py`` compares them to ``ddp`` to float tolerance.
 SHARDED_CASES: dict[str, Callable[[Path], Case]] = {
     "fsdp_policy": lambda out: Case(
-        TokenTransformer(), {"enable_checkpointing": False, "limit_val_batches": 2}, default_callbacks=False,
-        monarch_options={"parallelism": "fsdp", "fsdp_policy": {nn.TransformerEncoderLayer}},
+        TokenTransformer(),
+        {"enable_checkpointing": False, "limit_val_batches": 2},
+        default_callbacks=False,
+        sharded=True,
+        monarch_options={"fsdp_policy": {nn.TransformerEncoderLayer}},
     ),
     "fsdp_root_only": lambda out: Case(
-        TokenTransformer(), {"enable_checkpointing": False, "max_epochs": 1}, default_callbacks=False,
-        monarch_options={"parallelism": "fsdp"},
+        TokenTransformer(),
+        {"enable_checkpointing": False, "max_epochs": 1},
+        default_callbacks=False,
+        sharded=True,
     ),
     "fsdp_configure_model": lambda out: Case(
-        SelfShardingTransformer(), {"enable_checkpointing": False, "max_epochs": 1}, default_callbacks=False,
-        monarch_options={"parallelism": "fsdp"},
+        SelfShardingTransformer(),
+        {"enable_checkpointing": False, "max_epochs": 1},
+        default_callbacks=False,
+        sharded=True,
     ),
 }
 
@@ -269,9 +304,10 @@ def _strategy(name: str, case: Case, hosts: Any) -> Any:
         options["worker_callbacks"] = case.worker_callbacks
     if name == "monarch" and hosts is not None:
         options["hosts"] = hosts
-    if not options:
-        return name
-    return {"ddp": DDPStrategy, "monarch": MonarchStrategy}[name](**options)
+    if name == "ddp":
+        return DDPStrategy(**options) if options else name
+    strategy = MonarchFSDPStrategy if case.sharded else MonarchStrategy
+    return strategy(**options) if options else strategy.strategy_name
 
 
 def _trainer(strategy: str, out_dir: Path, case: Case, hosts: Any = None, **overrides: Any) -> L.Trainer:
@@ -284,8 +320,9 @@ def _trainer(strategy: str, out_dir: Path, case: Case, hosts: Any = None, **over
         *case.callbacks,
         *(case.worker_callbacks if strategy == "ddp" else []),
     ]
-    options = dict(max_epochs=2, enable_progress_bar=case.defaults, enable_model_summary=case.defaults,
-                   log_every_n_steps=2)
+    options = dict(
+        max_epochs=2, enable_progress_bar=case.defaults, enable_model_summary=case.defaults, log_every_n_steps=2
+    )
     return L.Trainer(
         strategy=_strategy(strategy, case, hosts),
         accelerator="cpu",
@@ -297,7 +334,9 @@ def _trainer(strategy: str, out_dir: Path, case: Case, hosts: Any = None, **over
     )
 
 
-def run_case(name: str, strategy: str, out_dir: Path, max_ahead: Optional[int] = DEFAULT_MAX_AHEAD) -> Optional[dict[str, Any]]:
+def run_case(
+    name: str, strategy: str, out_dir: Path, max_ahead: Optional[int] = DEFAULT_MAX_AHEAD
+) -> Optional[dict[str, Any]]:
     """Run case ``name`` with ``strategy`` on 2 CPU devices (under ``monarch``, the workers up to
     ``max_ahead`` batches ahead of the controller); return what the parity tests compare.
 
@@ -364,8 +403,9 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
     return results
 
 
-def _failed_run(trainer: L.Trainer, model: L.LightningModule, datamodule: Any, case: Case,
-                out_dir: Path) -> Optional[dict[str, Any]]:
+def _failed_run(
+    trainer: L.Trainer, model: L.LightningModule, datamodule: Any, case: Case, out_dir: Path
+) -> Optional[dict[str, Any]]:
     """A run that ends with ``case.fails`` on a worker: what rank 0 logged up to it, and how it failed."""
     try:
         trainer.fit(model, datamodule=datamodule)
@@ -380,9 +420,9 @@ def _failed_run(trainer: L.Trainer, model: L.LightningModule, datamodule: Any, c
 
 
 def _final_weights(trainer: L.Trainer, model: L.LightningModule) -> dict[str, Any]:
-    """The trained weights: the module's, or under ``parallelism="fsdp"`` (where the controller's
+    """The trained weights: the module's, or under ``MonarchFSDPStrategy`` (where the controller's
     module holds none) gathered from the workers' shards."""
-    if isinstance(trainer.strategy, MonarchStrategy) and trainer.strategy.parallelism == "fsdp":
+    if isinstance(trainer.strategy, MonarchFSDPStrategy):
         return trainer.strategy.gather_full_state_dict()
     return model.state_dict()
 

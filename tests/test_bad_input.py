@@ -28,8 +28,16 @@ from tests.models import Classifier
 
 
 def _trainer(**kwargs: Any) -> L.Trainer:
-    options = dict(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    options = dict(
+        strategy="monarch",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return L.Trainer(**{**options, **kwargs})
 
 
@@ -102,8 +110,11 @@ def test_a_notebook_class_that_uses_an_unpicklable_global_says_what_to_move(monk
     exec(NOTEBOOK_CELL, vars(main), cell)  # as a notebook cell does: the class and the lock live in `__main__`
     for name, value in cell.items():
         monkeypatch.setattr(main, name, value, raising=False)
-    with pytest.raises(TypeError, match=r"`NotebookClassifier` is defined in `__main__`.*`cache_lock` \(a lock\) cannot be"
-                                        r" pickled.*Move `NotebookClassifier` and what it uses into a module") as error:
+    with pytest.raises(
+        TypeError,
+        match=r"`NotebookClassifier` is defined in `__main__`.*`cache_lock` \(a lock\) cannot be"
+        r" pickled.*Move `NotebookClassifier` and what it uses into a module",
+    ) as error:
         _trainer().fit(main.NotebookClassifier())
     _assert_raised_before_spawning(error)
 

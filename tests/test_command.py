@@ -35,8 +35,14 @@ MARKER = "LIGHTNING_MONARCH_TEST_COMMAND"
 def run(*arguments: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run the command with a marker in its environment; fail if a process carrying it is left."""
     marker = uuid.uuid4().hex
-    done = subprocess.run([COMMAND, *arguments], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, MARKER: marker})
+    done = subprocess.run(
+        [COMMAND, *arguments],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, MARKER: marker},
+    )
     deadline = time.monotonic() + 10
     while (left := _carrying(marker)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -59,7 +65,7 @@ def _carrying(marker: str) -> list[psutil.Process]:
 
 def trainer_key(**flags: Any) -> Any:
     """What the strategy of ``Trainer(strategy="monarch", **flags)`` would start."""
-    return L.Trainer(strategy="monarch", logger=False, **flags).strategy.mesh_key()
+    return L.Trainer(strategy="monarch", logger=False, **flags).strategy._mesh_key()
 
 
 @pytest.fixture(autouse=True)
@@ -75,13 +81,32 @@ def lightning_log_level():
 def test_help_lists_the_commands() -> None:
     done = run("--help")
     assert done.returncode == 0, done.stderr
-    assert re.findall(r"^    (\w+)", done.stdout, re.MULTILINE) == ["info", "preflight", "benchmark", "convert"], done.stdout
+    assert re.findall(r"^    (\w+)", done.stdout, re.MULTILINE) == ["info", "preflight", "benchmark", "convert"], (
+        done.stdout
+    )
 
 
 @pytest.mark.timeout(60)
 def test_info_for_gpu_workers_needs_a_gpu_build_of_torch() -> None:
-    done = subprocess.run([sys.executable, "-m", "lightning_monarch", "info", "--accelerator", "gpu", "--devices", "2",
-                           "--num-nodes", "2", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_monarch",
+            "info",
+            "--accelerator",
+            "gpu",
+            "--devices",
+            "2",
+            "--num-nodes",
+            "2",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
     if torch.version.cuda or torch.version.hip:
         pytest.skip("this torch is a GPU build")
     assert done.returncode == 2, done.stdout + done.stderr
@@ -143,8 +168,9 @@ def test_info_on_rocm(monkeypatch: pytest.MonkeyPatch, environ: dict[str, str], 
     assert "backend nccl (RCCL)" in cli.render_info(info)
 
 
-def test_info_on_rocm_rejects_two_visibility_variables(monkeypatch: pytest.MonkeyPatch,
-                                                       capsys: pytest.CaptureFixture) -> None:
+def test_info_on_rocm_rejects_two_visibility_variables(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.setattr(torch.version, "hip", "6.3.42131")
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0,1")
     monkeypatch.setenv("ROCR_VISIBLE_DEVICES", "0,1")
@@ -152,7 +178,8 @@ def test_info_on_rocm_rejects_two_visibility_variables(monkeypatch: pytest.Monke
         cli.describe(2, "gpu")
     assert cli.main(["info", "--accelerator", "gpu", "--devices", "2"]) == 2
     assert "lightning-monarch info: error: HIP_VISIBLE_DEVICES='0,1' and ROCR_VISIBLE_DEVICES='0,1' are both set" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.timeout(120)
@@ -162,7 +189,7 @@ def test_preflight_checks_every_worker_and_stops_them() -> None:
     assert "Starting 2 worker(s)" in done.stdout
     lines = done.stdout.splitlines()
     header = next(index for index, line in enumerate(lines) if line.startswith("host "))
-    rows = [line.split() for line in lines[header + 1:]]
+    rows = [line.split() for line in lines[header + 1 :]]
     assert [row[1] for row in rows] == ["0", "1"], done.stdout
     pids = [int(row[2]) for row in rows]
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
@@ -197,7 +224,10 @@ def test_the_comparison_reports_medians_and_their_ratio() -> None:
         (["benchmark", "--steps", "0"], "--steps 0 --reps 2: give 1 or more of each"),
         (["benchmark", "--accelerator", "gpu", "--devices", "1024"], "accelerator='gpu')`: this process's torch"),
         (["preflight", "--accelerator", "cuda", "--devices", "1024"], "or use `accelerator='cpu'`"),
-        (["info", "--accelerator", "cpu", "--devices", "0,1"], "`devices` selected with `CPUAccelerator` should be an int > 0"),
+        (
+            ["info", "--accelerator", "cpu", "--devices", "0,1"],
+            "`devices` selected with `CPUAccelerator` should be an int > 0",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_the_fix(arguments: list[str], message: str, capsys: pytest.CaptureFixture) -> None:

@@ -23,7 +23,6 @@ from lightning.pytorch.callbacks import (
 )
 
 from lightning_monarch import MonarchStrategy
-
 from tests.models import Classifier
 from tests.parity_cases import SEED
 
@@ -31,8 +30,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _fit(model: L.LightningModule, **kwargs: Any) -> L.Trainer:
-    options = dict(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, logger=False,
-                   enable_checkpointing=False)
+    options = dict(
+        strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False
+    )
     trainer = L.Trainer(**{**options, **kwargs})
     trainer.fit(model)
     return trainer
@@ -60,8 +60,9 @@ class SlowClassifier(Classifier):
 
 
 def test_max_time_stops_the_workers() -> None:
-    trainer = _fit(SlowClassifier(), max_epochs=1000, max_time={"seconds": 3}, enable_progress_bar=False,
-                   num_sanity_val_steps=0)
+    trainer = _fit(
+        SlowClassifier(), max_epochs=1000, max_time={"seconds": 3}, enable_progress_bar=False, num_sanity_val_steps=0
+    )
     assert 0 < trainer.global_step < 1000 * 6
     assert trainer.state.status == "finished"
 
@@ -96,11 +97,17 @@ class BroadcastsFromRank1(L.Callback):
 @pytest.mark.parametrize(
     ("callback", "match"),
     [
-        (ReducesItsOwnTensor(), r"`trainer.strategy.reduce\(..., reduce_op='mean'\)` on the controller under"
-                                r" strategy='monarch': .* this tensor is not one the workers know"),
+        (
+            ReducesItsOwnTensor(),
+            r"`trainer.strategy.reduce\(..., reduce_op='mean'\)` on the controller under"
+            r" strategy='monarch': .* this tensor is not one the workers know",
+        ),
         (BroadcastsFromRank1(), r"`trainer.strategy.broadcast\(obj, src=1\)` on the controller .* has no rank 1"),
-        (EarlyStopping(monitor="train_loss_epoch"), r"`EarlyStopping\(monitor='train_loss_epoch'\)` decides on the"
-                                                     r" controller from rank 0's .*\(rank 0: [\d.]+, rank 1: [\d.]+\).*`sync_dist=True`"),
+        (
+            EarlyStopping(monitor="train_loss_epoch"),
+            r"`EarlyStopping\(monitor='train_loss_epoch'\)` decides on the"
+            r" controller from rank 0's .*\(rank 0: [\d.]+, rank 1: [\d.]+\).*`sync_dist=True`",
+        ),
     ],
     ids=["reduce-of-a-controller-tensor", "broadcast-from-rank-1", "early-stopping-on-an-unsynced-metric"],
 )
@@ -112,24 +119,35 @@ def test_collectives_that_cannot_be_what_ddp_gives_raise(callback: L.Callback, m
 
 
 def test_a_checkpoint_after_the_stage_that_worker_callbacks_would_add_to_raises(tmp_path: Path) -> None:
-    trainer = _fit(Classifier(), strategy=MonarchStrategy(worker_callbacks=[EMAWeightAveraging()]),
-                   enable_progress_bar=False, limit_train_batches=2, limit_val_batches=0)
-    with pytest.raises(RuntimeError, match=r"the worker callbacks \['EMAWeightAveraging'\] add to every checkpoint"
-                                           r" in `on_save_checkpoint`.*from a callback's `on_fit_end`"):
+    trainer = _fit(
+        Classifier(),
+        strategy=MonarchStrategy(worker_callbacks=[EMAWeightAveraging()]),
+        enable_progress_bar=False,
+        limit_train_batches=2,
+        limit_val_batches=0,
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"the worker callbacks \['EMAWeightAveraging'\] add to every checkpoint"
+        r" in `on_save_checkpoint`.*from a callback's `on_fit_end`",
+    ):
         trainer.save_checkpoint(tmp_path / "after.ckpt")
 
 
 class OpensAFileOnTheWorkers(Classifier):
     def on_fit_start(self) -> None:
-        self.log_file = open(os.devnull, "w")  # noqa: SIM115 - bound to the worker process on purpose
+        self.log_file = open(os.devnull, "w")
         self.seen_epochs = 1
 
 
 def test_module_attributes_that_cannot_travel_are_named() -> None:
     model = OpensAFileOnTheWorkers()
-    with pytest.warns(UserWarning, match=r"`OpensAFileOnTheWorkers`: the workers' module has public attributes that"
-                                         r" cannot be pickled: `log_file` \(PicklingError: Cannot pickle files that are not"
-                                         r" opened for reading: w\)\. .*it keeps its own") as caught:
+    with pytest.warns(
+        UserWarning,
+        match=r"`OpensAFileOnTheWorkers`: the workers' module has public attributes that"
+        r" cannot be pickled: `log_file` \(PicklingError: Cannot pickle files that are not"
+        r" opened for reading: w\)\. .*it keeps its own",
+    ) as caught:
         _fit(model, enable_progress_bar=False, limit_train_batches=2, limit_val_batches=0)
     assert len([w for w in caught if "cannot be pickled" in str(w.message)]) == 1, "one warning, only that attribute"
     assert model.seen_epochs == 1 and not hasattr(model, "log_file"), "the attributes that travel still do"

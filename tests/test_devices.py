@@ -33,7 +33,7 @@ from monarch.job import ProcessJob
 
 from lightning_monarch.controller.hosts import HOSTS_MESH, reachable
 from lightning_monarch.controller.mesh import Message, WorkerMesh, failed_rank
-from lightning_monarch.devices import VISIBILITY_VARS, pin
+from lightning_monarch.devices import pin
 from lightning_monarch.protocol import PreflightSpec, RunAhead, StageSpec, TrainerConfig, versions
 from tests.models import Classifier
 from tests.test_hosts import closed_port
@@ -82,24 +82,30 @@ def test_more_devices_than_the_mask_shows_is_refused() -> None:
 def test_the_strategy_pins_each_gpu_worker_on_this_host(cuda_build: pytest.MonkeyPatch, hip: Any) -> None:
     cuda_build.setattr(torch.version, "hip", hip)
     cuda_build.setenv("CUDA_VISIBLE_DEVICES", "6,7")
-    key = L.Trainer(strategy="monarch", accelerator="gpu", devices=[1, 0], logger=False).strategy.mesh_key()
+    key = L.Trainer(strategy="monarch", accelerator="gpu", devices=[1, 0], logger=False).strategy._mesh_key()
     assert key.pins == (("CUDA_VISIBLE_DEVICES", "7"), ("CUDA_VISIBLE_DEVICES", "6"))
     assert key.gpu_indices == (1, 0)
 
 
 def test_gpu_workers_need_a_gpu_build_of_torch() -> None:
-    with pytest.raises(MisconfigurationException, match=r"this process's torch \(.*\) is a CPU-only build.*Install a"
-                                                        r" CUDA or ROCm build of torch here"):
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"this process's torch \(.*\) is a CPU-only build.*Install a"
+        r" CUDA or ROCm build of torch here",
+    ):
         L.Trainer(strategy="monarch", accelerator="gpu", devices=2, logger=False)
 
 
 def test_more_gpu_workers_than_this_host_has_are_refused(cuda_build: pytest.MonkeyPatch) -> None:
     cuda_build.setattr(torch.cuda, "_raw_device_count_nvml", lambda: 1)  # stands in for a host with one GPU
-    with pytest.raises(MisconfigurationException, match=r"devices=2\)` pins worker processes to GPU\(s\) \[1\], but"
-                                                        r" this host has 1 GPU\(s\)"):
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"devices=2\)` pins worker processes to GPU\(s\) \[1\], but"
+        r" this host has 1 GPU\(s\)",
+    ):
         L.Trainer(strategy="monarch", accelerator="gpu", devices=2, logger=False)
     cuda_build.setenv("CUDA_VISIBLE_DEVICES", "0,0")  # two workers sharing the one GPU: allowed
-    key = L.Trainer(strategy="monarch", accelerator="gpu", devices=2, logger=False).strategy.mesh_key()
+    key = L.Trainer(strategy="monarch", accelerator="gpu", devices=2, logger=False).strategy._mesh_key()
     assert key.pins == (("CUDA_VISIBLE_DEVICES", "0"), ("CUDA_VISIBLE_DEVICES", "0"))
 
 
@@ -148,9 +154,15 @@ def other_host(tmp_path: Path) -> Any:
     (venv / "lib" / site.parent.name / "site-packages").symlink_to(site)
     address = f"tcp://127.0.0.1:{closed_port()}"
     python = str(venv / "bin" / "python")
-    host = subprocess.Popen([python, "-c", "from monarch.actor import run_worker_loop_forever;"
-                             f" run_worker_loop_forever(address={address!r}, ca='trust_all_connections')"],
-                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "5,6"})
+    host = subprocess.Popen(
+        [
+            python,
+            "-c",
+            "from monarch.actor import run_worker_loop_forever;"
+            f" run_worker_loop_forever(address={address!r}, ca='trust_all_connections')",
+        ],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "5,6"},
+    )
     try:
         deadline = time.monotonic() + 30
         while not reachable(address) and time.monotonic() < deadline:
@@ -161,8 +173,9 @@ def other_host(tmp_path: Path) -> Any:
         host.wait()
 
 
-def test_workers_on_another_host_use_its_interpreter_and_its_mask(other_host: Any,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workers_on_another_host_use_its_interpreter_and_its_mask(
+    other_host: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     python, hosts = other_host
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # the controller's own mask, which that host must not get
     mesh = WorkerMesh.spawn(2, gpu_indices=(0, 1), hosts=hosts)
@@ -181,11 +194,13 @@ def test_a_mask_too_short_for_a_worker_is_reported_by_preflight(other_host: Any)
     finally:
         mesh.stop()
     assert reports[2].visible_devices == {"CUDA_VISIBLE_DEVICES": ""}  # hidden: it must not take another's GPU
-    assert any("asks for GPU index 2, but CUDA_VISIBLE_DEVICES='5,6' makes only 2 GPU(s) visible on this host" in problem
-               for problem in reports[2].problems), reports[2].problems
+    assert any(
+        "asks for GPU index 2, but CUDA_VISIBLE_DEVICES='5,6' makes only 2 GPU(s) visible on this host" in problem
+        for problem in reports[2].problems
+    ), reports[2].problems
 
 
-def _one_visible_gpu() -> "OneVisibleGPU":
+def _one_visible_gpu() -> OneVisibleGPU:
     torch.cuda.device_count = lambda: 1
     torch.cuda.is_available = lambda: True
     return OneVisibleGPU()
@@ -204,11 +219,23 @@ def test_two_gpu_workers_get_past_stage_start() -> None:
     """``Trainer(strategy="monarch", accelerator="gpu", devices=2)``: each worker's Trainer parses
     ``devices=2`` while it sees one GPU, in the environment its process really starts with."""
     spec = StageSpec(
-        fn="fit", payload=cloudpickle.dumps((Classifier(), None, {}, [OneVisibleGPU()])), ckpt_path=None,
+        fn="fit",
+        payload=cloudpickle.dumps((Classifier(), None, {}, [OneVisibleGPU()])),
+        ckpt_path=None,
         fit_loop_state=L.Trainer(logger=False).fit_loop.state_dict(),
-        trainer=TrainerConfig(accelerator="cuda", devices=2, num_nodes=1, precision="32-true",
-                              process_group_backend="gloo", flags={}, ddp_kwargs={}),
-        loggers=[], sys_path=(), env={}, run_ahead=RunAhead(max_ahead=0, sync={}, views=frozenset(), outputs=frozenset()),
+        trainer=TrainerConfig(
+            accelerator="cuda",
+            devices=2,
+            num_nodes=1,
+            precision="32-true",
+            process_group_backend="gloo",
+            flags={},
+            ddp_kwargs={},
+        ),
+        loggers=[],
+        sys_path=(),
+        env={},
+        run_ahead=RunAhead(max_ahead=0, sync={}, views=frozenset(), outputs=frozenset()),
     )
     mesh = WorkerMesh.spawn(2, gpu_indices=(0, 1))
     try:

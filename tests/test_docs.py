@@ -22,10 +22,17 @@ def test_the_docs_site_builds_strict_with_the_api_reference(tmp_path: Path) -> N
     site = tmp_path / "site"
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=ROOT, capture_output=True, text=True, timeout=110,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     api = (site / "api" / "index.html").read_text()
-    for name in ("lightning_monarch.MonarchStrategy", "lightning_monarch.errors.WorkerError",
-                 "lightning_monarch.preflight.PreflightError"):
+    for name in (
+        "lightning_monarch.MonarchStrategy",
+        "lightning_monarch.MonarchFSDPStrategy",
+        "lightning_monarch.errors.WorkerError",
+        "lightning_monarch.errors.PreflightError",
+    ):
         assert f'id="{name}"' in api, f"{name} is missing from the rendered API reference"

@@ -219,7 +219,10 @@ def test_cli_slurm_config_is_checked_before_submission(tmp_path: Path) -> None:
     (cuda_build / "sitecustomize.py").write_text("import torch\ntorch.version.cuda = '12.8'\n")
     completed = run_script(
         ["examples/cli/main.py", "fit", "--config", "examples/cli/monarch_slurm.yaml"],
-        env={"PATH": str(tmp_path), "PYTHONPATH": os.pathsep.join(filter(None, [str(cuda_build), os.environ.get("PYTHONPATH")]))},
+        env={
+            "PATH": str(tmp_path),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(cuda_build), os.environ.get("PYTHONPATH")])),
+        },
     )
     assert completed.returncode != 0
     assert completed.stderr.rstrip().splitlines()[-1] == (

@@ -52,9 +52,18 @@ class RecordExceptions(L.Callback):
 
 def _trainer(**kwargs: Any) -> L.Trainer:
     return L.Trainer(
-        strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=4, limit_val_batches=2,
-        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, **kwargs,
+        strategy="monarch",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
     )
 
 
@@ -143,11 +152,23 @@ class UnusedHeadClassifier(Classifier):
 
 
 def test_ddps_own_fix_is_given_in_monarch_terms() -> None:
-    trainer = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=3,
-                        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
-    with pytest.raises(WorkerError, match=r"(?s)find_unused_parameters.*Under strategy='monarch'.*"
-                                          r"MonarchStrategy\(find_unused_parameters=True\)"):
+    trainer = L.Trainer(
+        strategy="monarch",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(
+        WorkerError,
+        match=r"(?s)find_unused_parameters.*Under strategy='monarch'.*"
+        r"MonarchStrategy\(find_unused_parameters=True\)",
+    ):
         trainer.fit(UnusedHeadClassifier())
 
 
@@ -177,7 +198,9 @@ L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1000, log
 def test_a_killed_controller_leaves_no_worker() -> None:
     """SIGKILL of the controller in the middle of ``fit``: nothing runs its teardown, and its worker
     processes must still end (found by the run's marker, which they inherit, even re-parented)."""
-    controller = subprocess.Popen([sys.executable, "-c", KILLED_CONTROLLER], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    controller = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CONTROLLER], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         line = next(line for line in controller.stdout if line.startswith("workers"))
         pids = [int(pid) for pid in line.split()[1:]]

@@ -1,4 +1,4 @@
-"""``MonarchStrategy(parallelism="fsdp")``: workers shard the module with FSDP2 and train as ``ddp`` does.
+"""``MonarchFSDPStrategy``: workers shard the module with FSDP2 and train as ``ddp`` does.
 
 DDP all-reduces gradients and FSDP2 reduce-scatters them, in another order of float additions,
 so the loss curve and the final weights are compared to Lightning's own ``ddp`` to float
@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_monarch import MonarchStrategy
+from lightning_monarch import MonarchFSDPStrategy, MonarchStrategy
 from tests.conftest import run_ddp_reference
 from tests.memory import PeakRss
 from tests.models import Classifier
@@ -36,8 +36,17 @@ def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _trainer(strategy: Any, **flags: Any) -> L.Trainer:
-    options = dict(accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=3, limit_val_batches=0,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, logger=False)
+    options = dict(
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+    )
     return L.Trainer(strategy=strategy, **{**options, **flags})
 
 
@@ -72,7 +81,7 @@ def test_controller_never_holds_the_trained_weights() -> None:
     model = TokenTransformer()
     initial = {name: value.clone() for name, value in model.state_dict().items()}
     gather = GatherAtFitEnd()
-    trainer = _trainer(MonarchStrategy(parallelism="fsdp", fsdp_policy=POLICY), callbacks=[gather])
+    trainer = _trainer(MonarchFSDPStrategy(fsdp_policy=POLICY), callbacks=[gather])
     trainer.fit(model)
 
     assert {parameter.device.type for parameter in model.parameters()} == {"meta"}
@@ -94,7 +103,7 @@ def test_controller_never_holds_the_trained_weights() -> None:
 def test_policy_that_matches_nothing_warns_and_shards_the_root() -> None:
     L.seed_everything(SEED)
     model = TokenTransformer()
-    trainer = _trainer(MonarchStrategy(parallelism="fsdp", fsdp_policy={nn.LSTM}), limit_train_batches=1)
+    trainer = _trainer(MonarchFSDPStrategy(fsdp_policy={nn.LSTM}), limit_train_batches=1)
     with pytest.warns(UserWarning, match=r"fsdp_policy=\{LSTM\}\)`: the module has no submodule of these classes"):
         trainer.fit(model)
     assert len(trainer.strategy.gather_full_state_dict()) == len(TokenTransformer().state_dict())
@@ -117,7 +126,7 @@ class RecordingTransformer(TokenTransformer):
 def _fit_sharded(**options: Any) -> tuple[RecordingTransformer, dict[str, torch.Tensor]]:
     L.seed_everything(SEED)
     model = RecordingTransformer()
-    trainer = _trainer(MonarchStrategy(parallelism="fsdp", fsdp_policy=POLICY, **options))
+    trainer = _trainer(MonarchFSDPStrategy(fsdp_policy=POLICY, **options))
     trainer.fit(model)
     return model, trainer.strategy.gather_full_state_dict()
 
@@ -132,8 +141,9 @@ def test_mixed_precision_computes_in_bf16_and_keeps_fp32_shards(fp32_run: Any) -
     fp32; the losses stay close to the fp32 run's."""
     reference, _ = fp32_run
     assert reference.compute_dtype == torch.float32
-    model, weights = _fit_sharded(mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                       reduce_dtype=torch.float32))
+    model, weights = _fit_sharded(
+        mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )
     assert model.compute_dtype == torch.bfloat16
     assert model.shard_dtypes == {torch.float32}
     assert {value.dtype for value in weights.values()} == {torch.float32}
@@ -189,7 +199,7 @@ class WideStack(L.LightningModule):
 
 def _controller_growth(width: int, depth: int) -> tuple[int, WideStack]:
     """How much the controller's RSS grows from building the model to the end of a 2-step ``fit``."""
-    trainer = _trainer(MonarchStrategy(parallelism="fsdp", fsdp_policy={nn.Linear}), max_steps=2)
+    trainer = _trainer(MonarchFSDPStrategy(fsdp_policy={nn.Linear}), max_steps=2)
     with PeakRss() as rss:
         model = WideStack(width, depth)
         trainer.fit(model)
@@ -209,46 +219,89 @@ def test_controller_memory_stays_flat_while_the_model_grows() -> None:
 
 
 @pytest.mark.parametrize(
-    ("options", "error", "match"),
+    ("strategy", "options", "error", "match"),
     [
-        ({"parallelism": "zero3"}, ValueError, r"parallelism='zero3'\)`: choose 'ddp'.* or 'fsdp'"),
-        ({"max_restarts": 1, "snapshot_dir": "/tmp/snapshots"}, ValueError,
-         r"snapshot_dir=...\)` holds the workers' sharded recovery snapshots, which only `parallelism='fsdp'`"),
-        ({"parallelism": "fsdp", "find_unused_parameters": True}, ValueError,
-         "find_unused_parameters=...\\)`: these are `DistributedDataParallel` arguments"),
-        ({"fsdp_policy": POLICY}, ValueError, "only `parallelism='fsdp'` does"),
-        ({"parallelism": "fsdp", "fsdp_policy": {"TransformerEncoderLayer"}}, TypeError, "are not `nn.Module` classes"),
-        ({"parallelism": "fsdp", "mixed_precision": (torch.bfloat16, torch.float32)}, TypeError,
-         r"give FSDP2's `MixedPrecisionPolicy`.*mixed_precision=MixedPrecisionPolicy\(param_dtype=torch.bfloat16"),
-        ({"parallelism": "fsdp", "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)}, TypeError,
-         "give FSDP2's `MixedPrecisionPolicy`"),
-        ({"parallelism": "fsdp", "mixed_precision": MixedPrecisionPolicy(param_dtype=torch.int8)}, TypeError,
-         r"\{'param_dtype': torch.int8\} are not floating-point torch dtypes"),
-        ({"mixed_precision": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}, ValueError,
-         r"only `parallelism='fsdp'` does. Pass `MonarchStrategy\(parallelism='fsdp', mixed_precision=...\)`"),
-        ({"parallelism": "fsdp", "activation_checkpointing_policy": [nn.Linear, "Block"]}, TypeError,
-         r"activation_checkpointing_policy=.*\['Block'\] are not `nn.Module` classes"),
-        ({"activation_checkpointing_policy": POLICY}, ValueError,
-         r"activation_checkpointing_policy=...\)` checkpoints the activations of sharded modules, which only"),
-        ({"parallelism": "fsdp", "cpu_offload": "yes"}, TypeError, r"cpu_offload='yes'\)`: give True or False"),
-        ({"cpu_offload": True}, ValueError, r"Pass `MonarchStrategy\(parallelism='fsdp', cpu_offload=True\)`"),
+        (
+            MonarchStrategy,
+            {"parallelism": "fsdp"},
+            TypeError,
+            r"parallelism='fsdp'\)`: sharding the module across the workers is `MonarchFSDPStrategy`'s job",
+        ),
+        (
+            MonarchStrategy,
+            {"parallelism": "ddp"},
+            TypeError,
+            r"always gives every worker a replica.*Remove `parallelism`",
+        ),
+        (
+            MonarchStrategy,
+            {"max_restarts": 1, "snapshot_dir": "/tmp/snapshots"},
+            TypeError,
+            r"Pass `lightning_monarch.MonarchFSDPStrategy\(snapshot_dir=...\)`",
+        ),
+        (
+            MonarchStrategy,
+            {"fsdp_policy": POLICY, "cpu_offload": True},
+            TypeError,
+            r"Pass `lightning_monarch.MonarchFSDPStrategy\(cpu_offload=..., fsdp_policy=...\)`, or `strategy='monarch_fsdp'`",
+        ),
+        (
+            MonarchFSDPStrategy,
+            {"find_unused_parameters": True},
+            ValueError,
+            r"find_unused_parameters=...\)`: these are not arguments of `MonarchStrategy` but `DistributedDataParallel`'s",
+        ),
+        (MonarchFSDPStrategy, {"fsdp_policy": {"TransformerEncoderLayer"}}, TypeError, "are not `nn.Module` classes"),
+        (
+            MonarchFSDPStrategy,
+            {"mixed_precision": (torch.bfloat16, torch.float32)},
+            TypeError,
+            r"give FSDP2's `MixedPrecisionPolicy`.*mixed_precision=MixedPrecisionPolicy\(param_dtype=torch.bfloat16",
+        ),
+        (
+            MonarchFSDPStrategy,
+            {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16)},
+            TypeError,
+            "give FSDP2's `MixedPrecisionPolicy`",
+        ),
+        (
+            MonarchFSDPStrategy,
+            {"mixed_precision": MixedPrecisionPolicy(param_dtype=torch.int8)},
+            TypeError,
+            r"\{'param_dtype': torch.int8\} are not floating-point torch dtypes",
+        ),
+        (
+            MonarchFSDPStrategy,
+            {"activation_checkpointing_policy": [nn.Linear, "Block"]},
+            TypeError,
+            r"activation_checkpointing_policy=.*\['Block'\] are not `nn.Module` classes",
+        ),
+        (MonarchFSDPStrategy, {"cpu_offload": "yes"}, TypeError, r"cpu_offload='yes'\)`: give True or False"),
+        (
+            MonarchFSDPStrategy,
+            {"max_restarts": -1},
+            ValueError,
+            r"MonarchFSDPStrategy\(max_restarts=-1\)`: give a whole",
+        ),
     ],
 )
-def test_bad_strategy_arguments(options: dict[str, Any], error: type, match: str) -> None:
+def test_bad_strategy_arguments(strategy: type, options: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
-        MonarchStrategy(**options)
+        strategy(**options)
 
 
 def test_a_module_without_policy_is_sharded_whole_with_one_warning(tmp_path: Path) -> None:
     """What Lightning's ``strategy="fsdp"`` does without an ``auto_wrap_policy``; it trains as ``ddp``
     in ``test_sharded_training_matches_ddp[fsdp_root_only]``."""
-    with pytest.warns(UserWarning, match=r"without `fsdp_policy`: `Classifier` does not shard itself in"
-                                         r" `configure_model`, so FSDP2 shards it as one unit") as caught:
-        _trainer(MonarchStrategy(parallelism="fsdp")).fit(Classifier())
+    with pytest.warns(
+        UserWarning,
+        match=r"without `fsdp_policy`: `Classifier` does not shard itself in"
+        r" `configure_model`, so FSDP2 shards it as one unit",
+    ) as caught:
+        _trainer(MonarchFSDPStrategy()).fit(Classifier())
     assert len([w for w in caught if "without `fsdp_policy`" in str(w.message)]) == 1
 
 
 def test_registered_name() -> None:
     trainer = _trainer("monarch_fsdp")
-    assert isinstance(trainer.strategy, MonarchStrategy)
-    assert trainer.strategy.parallelism == "fsdp"
+    assert type(trainer.strategy) is MonarchFSDPStrategy

@@ -1,4 +1,4 @@
-"""Sharded checkpoints under ``MonarchStrategy(parallelism="fsdp")``: every worker writes its own
+"""Sharded checkpoints under ``MonarchFSDPStrategy``: every worker writes its own
 shards (``torch.distributed.checkpoint``), the controller writes Lightning's metadata beside them,
 ``ckpt_path=`` resumes on the same or another number of workers, and a converter makes one file.
 """
@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_monarch import MonarchStrategy, cli, convert_sharded_checkpoint
+from lightning_monarch import MonarchFSDPStrategy, cli, convert_sharded_checkpoint
 from tests.conftest import ROOT, worker_processes
 from tests.memory import PeakRss
 from tests.parity_cases import SEED, TokenTransformer, environment_for_ddp
@@ -28,9 +28,18 @@ SHARD_FILES = {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"}
 
 
 def _trainer(devices: int = 2, **flags: Any) -> L.Trainer:
-    options = dict(accelerator="cpu", devices=devices, max_epochs=1, limit_train_batches=3, limit_val_batches=0,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, logger=False)
-    strategy = MonarchStrategy(parallelism="fsdp", fsdp_policy={nn.TransformerEncoderLayer})
+    options = dict(
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    strategy = MonarchFSDPStrategy(fsdp_policy={nn.TransformerEncoderLayer})
     return L.Trainer(strategy=strategy, **{**options, **flags})
 
 
@@ -72,8 +81,10 @@ def test_every_worker_writes_its_shards_and_the_controller_the_metadata(tmp_path
     trainer = _trainer(max_epochs=2, limit_train_batches=1, enable_checkpointing=True, callbacks=[checkpoints, save])
     trainer.fit(model)
 
-    print(f"controller RSS growth while saving: {save.memory.growth / 1e6:.1f} MB, while gathering:"
-          f" {save.gather_memory.growth / 1e6:.1f} MB, model: {model_bytes / 1e6:.1f} MB")
+    print(
+        f"controller RSS growth while saving: {save.memory.growth / 1e6:.1f} MB, while gathering:"
+        f" {save.gather_memory.growth / 1e6:.1f} MB, model: {model_bytes / 1e6:.1f} MB"
+    )
     assert save.memory.growth < model_bytes / 4
     assert save.gather_memory.growth > model_bytes / 2
     assert sorted(path.name for path in (tmp_path / "checkpoints").iterdir()) == ["epoch=1-step=2.ckpt", "last.ckpt"]
@@ -144,8 +155,11 @@ def test_checkpoint_of_another_model_lists_the_mismatched_keys(
 ) -> None:
     path, _ = checkpoint
     workers_before = {process.pid for process in worker_processes()}
-    with pytest.raises(RuntimeError, match=r"sharded checkpoint of another model than `TransformerWithNorm`: missing"
-                       r" keys \['norm.bias', 'norm.weight'\], unexpected keys \['encoder.layers.3.linear1.bias',"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"sharded checkpoint of another model than `TransformerWithNorm`: missing"
+        r" keys \['norm.bias', 'norm.weight'\], unexpected keys \['encoder.layers.3.linear1.bias',",
+    ):
         _trainer(max_epochs=2).fit(TransformerWithNorm(), ckpt_path=path)
     assert {process.pid for process in worker_processes()} == workers_before
 
@@ -154,8 +168,11 @@ def test_single_file_checkpoint_is_rejected_before_any_worker_starts(tmp_path: P
     single = tmp_path / "ddp.ckpt"
     torch.save({"state_dict": TokenTransformer().state_dict()}, single)
     workers_before = {process.pid for process in worker_processes()}
-    with pytest.raises(ValueError, match=r"ddp.ckpt'` under `MonarchStrategy\(parallelism='fsdp'\)` is not a sharded"
-                       " checkpoint.*give a sharded checkpoint directory"):
+    with pytest.raises(
+        ValueError,
+        match=r"ddp.ckpt'` under `MonarchFSDPStrategy` is not a sharded"
+        " checkpoint.*give a sharded checkpoint directory",
+    ):
         _trainer().fit(_model(), ckpt_path=single)
     assert {process.pid for process in worker_processes()} == workers_before
 
@@ -173,8 +190,9 @@ def test_converter_writes_a_file_that_load_from_checkpoint_reads(
     assert single["global_step"] == 3 and len(single["optimizer_states"]) == 1
 
 
-def test_convert_command(checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path,
-                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_command(
+    checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path, saved = checkpoint
     assert cli.main(["convert", str(path), str(tmp_path / "model.ckpt")]) == 0
     torch.testing.assert_close(torch.load(tmp_path / "model.ckpt", weights_only=True)["state_dict"], saved)
@@ -189,8 +207,13 @@ def test_lightning_model_parallel_strategy_reads_and_writes_the_same_checkpoints
     workers and writes its own, from which ``monarch_fsdp`` on 2 workers resumes in turn."""
     path, _ = checkpoint
     theirs = tmp_path / "model_parallel.ckpt"
-    subprocess.run([sys.executable, "-m", "tests.model_parallel_reference", str(path), str(theirs)],
-                   cwd=ROOT, env=environment_for_ddp(), check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "tests.model_parallel_reference", str(path), str(theirs)],
+        cwd=ROOT,
+        env=environment_for_ddp(),
+        check=True,
+        timeout=300,
+    )
     convert_sharded_checkpoint(theirs, tmp_path / "theirs.ckpt")
     saved = torch.load(tmp_path / "theirs.ckpt", weights_only=True)
     gather = GatherAtTrainStart()

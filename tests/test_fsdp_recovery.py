@@ -1,4 +1,4 @@
-"""Recovery under ``MonarchStrategy(parallelism="fsdp", max_restarts=k)``: no worker holds a replica,
+"""Recovery under ``MonarchFSDPStrategy(max_restarts=k)``: no worker holds a replica,
 so every worker writes its shards into a sharded snapshot at each epoch start, and replacement
 workers resume from it. A worker SIGKILLed mid-epoch after the first snapshot is replaced, and the
 run ends with the losses, metrics and full weights of an undisturbed run, bit for bit."""
@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_monarch import MonarchStrategy, WorkerError
+from lightning_monarch import MonarchFSDPStrategy, WorkerError
 from tests.parity_cases import SEED, TokenTransformer
 
 pytestmark = pytest.mark.timeout(180)
@@ -40,15 +40,23 @@ class KillRankInEpoch1(L.Callback):
             os.kill(trainer.strategy.worker_pids[self.rank], signal.SIGKILL)
 
 
-def _fit(snapshot_dir: Path, callbacks: list[L.Callback],
-         model_class: type[TokenTransformer] = TokenTransformer) -> tuple[L.Trainer, TokenTransformer, dict[str, Any]]:
+def _fit(
+    snapshot_dir: Path, callbacks: list[L.Callback], model_class: type[TokenTransformer] = TokenTransformer
+) -> tuple[L.Trainer, TokenTransformer, dict[str, Any]]:
     L.seed_everything(SEED)
     model = model_class()
-    strategy = MonarchStrategy(parallelism="fsdp", fsdp_policy={nn.TransformerEncoderLayer}, max_restarts=1,
-                               snapshot_dir=snapshot_dir)
+    strategy = MonarchFSDPStrategy(fsdp_policy={nn.TransformerEncoderLayer}, max_restarts=1, snapshot_dir=snapshot_dir)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_epochs=3, limit_val_batches=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=3,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
     )
     trainer.fit(model)
     return trainer, model, strategy.gather_full_state_dict()
@@ -94,6 +102,6 @@ def test_failed_sharded_stage_removes_its_snapshots(tmp_path: Path) -> None:
 def test_sharded_recovery_on_several_hosts_needs_a_shared_snapshot_dir() -> None:
     """Refused at ``Trainer(...)``, before any host is reached: the default snapshot directory is on
     the controller's host only."""
-    strategy = MonarchStrategy(parallelism="fsdp", max_restarts=1, hosts=["tcp://node-1:26600", "tcp://node-2:26600"])
+    strategy = MonarchFSDPStrategy(max_restarts=1, hosts=["tcp://node-1:26600", "tcp://node-2:26600"])
     with pytest.raises(MisconfigurationException, match=r"on 2 hosts: .* Pass `snapshot_dir=` a path on a file system"):
         L.Trainer(strategy=strategy, accelerator="cpu", devices=2, num_nodes=2)

@@ -45,7 +45,9 @@ def test_two_hosts_give_what_ddp_gives_with_four_processes(case: str, tmp_path: 
     assert ours is not None
     assert_same(ours, torch.load(reference_dir / case / "results.pt", weights_only=False), case)
     for name in ("final.ckpt", "checkpoints/last.ckpt"):
-        assert_same(comparable_checkpoint(tmp_path / "monarch" / name), comparable_checkpoint(reference_dir / case / name), name)
+        assert_same(
+            comparable_checkpoint(tmp_path / "monarch" / name), comparable_checkpoint(reference_dir / case / name), name
+        )
 
 
 class RankRecorder(Classifier):
@@ -59,9 +61,19 @@ class RankRecorder(Classifier):
 
 def test_every_worker_sees_torchrun_ranks(job: Any) -> None:
     model = RankRecorder()
-    L.Trainer(strategy=MonarchStrategy(hosts=job), accelerator="cpu", devices=2, num_nodes=2, max_epochs=1,
-              limit_train_batches=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False).fit(model)
+    L.Trainer(
+        strategy=MonarchStrategy(hosts=job),
+        accelerator="cpu",
+        devices=2,
+        num_nodes=2,
+        max_epochs=1,
+        limit_train_batches=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(model)
     assert model.ranks == [[0, 0, 0, 4], [1, 1, 0, 4], [2, 0, 1, 4], [3, 1, 1, 4]]
 
 
@@ -73,9 +85,19 @@ class Greeter(Classifier):
 def test_what_workers_on_other_hosts_print_is_shown_once_with_its_count(
     job: Any, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    L.Trainer(strategy=MonarchStrategy(hosts=job, aggregate_window_sec=1), accelerator="cpu", devices=2, num_nodes=2,
-              max_epochs=1, limit_train_batches=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False).fit(Greeter())
+    L.Trainer(
+        strategy=MonarchStrategy(hosts=job, aggregate_window_sec=1),
+        accelerator="cpu",
+        devices=2,
+        num_nodes=2,
+        max_epochs=1,
+        limit_train_batches=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(Greeter())
     deadline = time.monotonic() + 10
     out, counts = "", []
     while sum(counts) < 4 and time.monotonic() < deadline:  # the lines may come in several windows
@@ -94,14 +116,18 @@ def test_num_nodes_must_match_the_host_mesh(job: Any) -> None:
 
 def test_hosts_must_be_a_job_a_host_mesh_or_addresses() -> None:
     with pytest.raises(MisconfigurationException, match=r"hosts=str\(...\)\)`: give a Monarch job"):
-        L.Trainer(strategy=MonarchStrategy(hosts="node-1,node-2"), accelerator="cpu", devices=2, num_nodes=2,
-                  logger=False)
+        L.Trainer(
+            strategy=MonarchStrategy(hosts="node-1,node-2"), accelerator="cpu", devices=2, num_nodes=2, logger=False
+        )
 
 
-@pytest.mark.parametrize(("meshes", "num_nodes", "message"), [
-    ({"trainers": 1}, 1, r"no host mesh named 'hosts' \(it has \['trainers'\]\).*job.state\(\).<name>"),
-    ({"hosts": 3}, 2, r"num_nodes=2\)` but `ProcessJob\(\{'hosts': 3\}\)` asks for 3 host\(s\)"),
-])
+@pytest.mark.parametrize(
+    ("meshes", "num_nodes", "message"),
+    [
+        ({"trainers": 1}, 1, r"no host mesh named 'hosts' \(it has \['trainers'\]\).*job.state\(\).<name>"),
+        ({"hosts": 3}, 2, r"num_nodes=2\)` but `ProcessJob\(\{'hosts': 3\}\)` asks for 3 host\(s\)"),
+    ],
+)
 def test_a_job_of_the_wrong_shape_is_refused_before_it_starts(meshes: dict, num_nodes: int, message: str) -> None:
     job = ProcessJob(meshes)
     with pytest.raises(MisconfigurationException, match=message):
@@ -121,12 +147,15 @@ def slurm_job() -> Any:
     configure(default_transport=transport)
 
 
-@pytest.mark.parametrize(("options", "accelerator", "message"), [
-    ({"ntasks_per_node": 2}, "cpu", r"SlurmJob\(ntasks_per_node=2\)`: each node runs one Monarch host process"),
-    ({}, "gpu", r"devices=2\)` runs 2 GPU workers per node, but `SlurmJob\(gpus_per_node=None\)` requests no GPUs"),
-    ({"gpus_per_node": 1}, "gpu", r"SlurmJob\(gpus_per_node=1\)` requests 1 GPU\(s\).*gpus_per_node=2\)"),
-    ({"gpus_per_node": 2}, "gpu", r"with SLURM's sbatch and squeue, which this machine's PATH does not have"),
-])
+@pytest.mark.parametrize(
+    ("options", "accelerator", "message"),
+    [
+        ({"ntasks_per_node": 2}, "cpu", r"SlurmJob\(ntasks_per_node=2\)`: each node runs one Monarch host process"),
+        ({}, "gpu", r"devices=2\)` runs 2 GPU workers per node, but `SlurmJob\(gpus_per_node=None\)` requests no GPUs"),
+        ({"gpus_per_node": 1}, "gpu", r"SlurmJob\(gpus_per_node=1\)` requests 1 GPU\(s\).*gpus_per_node=2\)"),
+        ({"gpus_per_node": 2}, "gpu", r"with SLURM's sbatch and squeue, which this machine's PATH does not have"),
+    ],
+)
 def test_a_slurm_job_missing_its_options_is_refused_before_it_is_submitted(
     slurm_job: Any, options: dict, accelerator: str, message: str, cuda_build: pytest.MonkeyPatch
 ) -> None:
@@ -147,8 +176,14 @@ def worker_host() -> Any:
     """A Monarch host serving at a TCP address, as ``run_worker_loop_forever`` does on a cluster
     node; stopped by its PID."""
     address = f"tcp://127.0.0.1:{closed_port()}"
-    host = subprocess.Popen([sys.executable, "-c", "from monarch.actor import run_worker_loop_forever;"
-                             f" run_worker_loop_forever(address={address!r}, ca='trust_all_connections')"])
+    host = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from monarch.actor import run_worker_loop_forever;"
+            f" run_worker_loop_forever(address={address!r}, ca='trust_all_connections')",
+        ]
+    )
     try:
         deadline = time.monotonic() + 30
         while not reachable(address) and time.monotonic() < deadline:
@@ -162,16 +197,42 @@ def worker_host() -> Any:
 
 def test_workers_at_given_addresses_train(worker_host: str) -> None:
     model = RankRecorder()
-    L.Trainer(strategy=MonarchStrategy(hosts=[worker_host]), accelerator="cpu", devices=2, max_epochs=1,
-              limit_train_batches=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False).fit(model)
+    L.Trainer(
+        strategy=MonarchStrategy(hosts=[worker_host]),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        limit_train_batches=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(model)
     assert model.ranks == [[0, 0, 0, 2], [1, 1, 0, 2]]
 
 
 def test_preflight_checks_the_workers_of_other_hosts(worker_host: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "lightning_monarch.preflight", "--devices", "2", "--hosts", worker_host,
-                           "--num-nodes", "1", "--all-reduce-mib", "1"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_monarch",
+            "preflight",
+            "--devices",
+            "2",
+            "--hosts",
+            worker_host,
+            "--num-nodes",
+            "1",
+            "--all-reduce-mib",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[1:2] in (["0"], ["1"])]
     assert [row[1] for row in rows] == ["0", "1"], done.stdout
@@ -180,10 +241,18 @@ def test_preflight_checks_the_workers_of_other_hosts(worker_host: str) -> None:
 def test_unreachable_workers_are_named(worker_host: str) -> None:
     dead = f"tcp://127.0.0.1:{closed_port()}"
     started = time.monotonic()
-    with pytest.raises(UnreachableHostsError, match=rf"within 3 s; 1 of 2 worker address\(es\) do not accept a"
-                                                    rf" connection: {dead}\."):
-        L.Trainer(strategy=MonarchStrategy(hosts=[worker_host, dead], connect_timeout=3), accelerator="cpu",
-                  devices=1, num_nodes=2, logger=False)
+    with pytest.raises(
+        UnreachableHostsError,
+        match=rf"within 3 s; 1 of 2 worker address\(es\) do not accept a"
+        rf" connection: {dead}\.",
+    ):
+        L.Trainer(
+            strategy=MonarchStrategy(hosts=[worker_host, dead], connect_timeout=3),
+            accelerator="cpu",
+            devices=1,
+            num_nodes=2,
+            logger=False,
+        )
     assert time.monotonic() - started < 15
 
 

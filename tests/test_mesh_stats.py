@@ -10,9 +10,10 @@ import time
 import types
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning as L
 import pytest
@@ -39,9 +40,19 @@ PER_RANK = ("rss_mib", "cpu_time_s", "cpu_utilization_percent", "step_time_ms")
 
 
 def _fit(model: L.LightningModule, log_dir: Path, callbacks: list[Any], **kwargs: Any) -> L.Trainer:
-    options = dict(strategy="monarch", accelerator="cpu", devices=2, max_epochs=EPOCHS, limit_val_batches=0,
-                   num_sanity_val_steps=0, log_every_n_steps=2, enable_progress_bar=False, enable_model_summary=False,
-                   enable_checkpointing=False, logger=CSVLogger(log_dir, name="", version=""))
+    options = dict(
+        strategy="monarch",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=EPOCHS,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        log_every_n_steps=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=CSVLogger(log_dir, name="", version=""),
+    )
     trainer = L.Trainer(**{**options, **kwargs}, callbacks=callbacks)
     trainer.fit(model)
     return trainer
@@ -112,7 +123,9 @@ def test_every_rank_is_logged_at_the_chosen_steps_only(runs: dict[str, Run]) -> 
         # 100 is one core: more than this host's cores is a wrong unit or interval (measured: 40-83)
         assert all(0 <= value <= 100 * (os.cpu_count() or 1) for value in busy) and sum(busy) > 0, busy
         # each from the CPU time read with it: above 0 exactly where the CPU time grew since the last read
-        assert [value > 0 for value in busy[1:]] == [now > before for before, now in zip(cpu_time, cpu_time[1:])]
+        assert [value > 0 for value in busy[1:]] == [
+            now > before for before, now in zip(cpu_time, cpu_time[1:], strict=False)
+        ]
     assert not any(key.startswith("mesh/rank2/") for key in rows[0]), "only the two workers"
     assert any(row.get("train_loss_step") for row in rows), "the module's own values are logged as before"
 
@@ -130,7 +143,11 @@ def test_the_workers_are_read_only_at_the_interval(runs: dict[str, Run]) -> None
     assert monitored["read_stats"] == 1 + reads, "one read per interval, and one at on_train_start"
     assert "read_stats" not in plain
     # the workers wait for the monitor at its reads only: at the train start and at every interval's batch end
-    added = {gate: count - plain[gate] for gate, count in monitored.items() if gate.startswith("sync ") and count != plain[gate]}
+    added = {
+        gate: count - plain[gate]
+        for gate, count in monitored.items()
+        if gate.startswith("sync ") and count != plain[gate]
+    }
     assert added == {"sync callback.on_train_start": 1, "sync callback.on_train_batch_end": reads}, (plain, monitored)
 
 
@@ -170,8 +187,18 @@ def test_a_straggler_is_named(model_class: type, tmp_path: Path) -> None:
     ("hip", "environment", "reason", "fix"),
     [
         (None, {}, "come from NVML, which this worker cannot use (ModuleNotFoundError", "pip install nvidia-ml-py"),
-        ("6.2.41133", {}, "come from amdsmi, which this worker cannot use (ModuleNotFoundError", "pip install /opt/rocm"),
-        ("6.2.41133", {"ROCR_VISIBLE_DEVICES": "1"}, "chosen with ROCR_VISIBLE_DEVICES='1'", "with HIP_VISIBLE_DEVICES"),
+        (
+            "6.2.41133",
+            {},
+            "come from amdsmi, which this worker cannot use (ModuleNotFoundError",
+            "pip install /opt/rocm",
+        ),
+        (
+            "6.2.41133",
+            {"ROCR_VISIBLE_DEVICES": "1"},
+            "chosen with ROCR_VISIBLE_DEVICES='1'",
+            "with HIP_VISIBLE_DEVICES",
+        ),
     ],
     ids=["nvidia-without-nvml", "rocm-without-amdsmi", "rocm-pinned-by-rocr"],
 )
@@ -202,14 +229,26 @@ def test_rocm_bandwidth_is_the_busy_share_of_amdsmis_peak(monkeypatch: pytest.Mo
     amdsmi.amdsmi_get_gpu_vram_info = lambda handle: {"vram_type": 7, "vram_max_bandwidth": 5300}
     monkeypatch.setitem(sys.modules, "amdsmi", amdsmi)
     monkeypatch.setattr(torch.version, "hip", "6.4.43482")
-    readings = {"utilization": 30, "memory_usage": 40, "temperature": 61, "power_draw": 512, "_get_amdsmi_handler": 0,
-                "memory_stats": {}}
+    readings = {
+        "utilization": 30,
+        "memory_usage": 40,
+        "temperature": 61,
+        "power_draw": 512,
+        "_get_amdsmi_handler": 0,
+        "memory_stats": {},
+    }
     for name, value in readings.items():
         monkeypatch.setattr(torch.cuda, name, lambda *args, value=value: value)
     values, missing = GpuSensors().read()
     assert missing is None
-    assert values == {"gpu_utilization_percent": 30.0, "memory_busy_percent": 40.0, "temperature_c": 61.0,
-                      "power_w": 512.0, "memory_bandwidth_peak_gbps": 5300.0, "memory_bandwidth_gbps": 2120.0}
+    assert values == {
+        "gpu_utilization_percent": 30.0,
+        "memory_busy_percent": 40.0,
+        "temperature_c": 61.0,
+        "power_w": 512.0,
+        "memory_bandwidth_peak_gbps": 5300.0,
+        "memory_bandwidth_gbps": 2120.0,
+    }
 
 
 def test_a_rank_is_memory_bound_when_memory_is_busy_and_compute_is_not() -> None:
@@ -225,7 +264,10 @@ def test_a_rank_is_memory_bound_when_memory_is_busy_and_compute_is_not() -> None
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"memory_bound_percent": 0}, r"memory_bound_percent=0\)`: give the memory-controller busy percent"),
+        (
+            {"memory_bound_percent": 0},
+            r"memory_bound_percent=0\)`: give a number of memory-controller busy percent in \(0, 100\]",
+        ),
         ({"memory_bound_percent": 101}, r"memory_bound_percent=101\)`: give"),
         ({"logging_interval": 0}, r"logging_interval=0\)`: give a whole number"),
         ({"logging_interval": "10"}, r"logging_interval='10'\)`: give a whole number"),
@@ -241,13 +283,20 @@ def test_bad_arguments_are_rejected(kwargs: dict[str, Any], match: str) -> None:
 
 def test_other_strategies_and_places_are_rejected(tmp_path: Path) -> None:
     ddp = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, logger=CSVLogger(tmp_path))
-    with pytest.raises(MisconfigurationException, match=r"strategy is `DDPStrategy`.*callbacks=\[DeviceStatsMonitor\(\)\]"):
+    with pytest.raises(
+        MisconfigurationException, match=r"strategy is `DDPStrategy`.*callbacks=\[DeviceStatsMonitor\(\)\]"
+    ):
         MeshStatsMonitor().setup(ddp, Classifier(), "fit")
     without_logger = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, logger=False)
     with pytest.raises(MisconfigurationException, match="this Trainer has none"):
         MeshStatsMonitor().setup(without_logger, Classifier(), "fit")
-    on_workers = L.Trainer(strategy=MonarchStrategy(worker_callbacks=[MeshStatsMonitor()]), accelerator="cpu",
-                           devices=2, logger=CSVLogger(tmp_path), max_epochs=1)
+    on_workers = L.Trainer(
+        strategy=MonarchStrategy(worker_callbacks=[MeshStatsMonitor()]),
+        accelerator="cpu",
+        devices=2,
+        logger=CSVLogger(tmp_path),
+        max_epochs=1,
+    )
     with pytest.raises(MisconfigurationException, match=r"Pass it to `Trainer\(callbacks=\[MeshStatsMonitor"):
         on_workers.fit(Classifier())
 
@@ -260,8 +309,12 @@ def test_lightnings_device_and_throughput_monitors_log_from_the_workers(tmp_path
     _fit(Classifier(), tmp_path, [], strategy=MonarchStrategy(worker_callbacks=monitors), max_epochs=1)
     with open(tmp_path / "metrics.csv") as file:
         rows = list(csv.DictReader(file))
-    cpu = [float(row[key]) for row in rows for key in row
-           if key.startswith("DeviceStatsMonitor.on_train_batch_start/cpu_percent") and row[key]]
+    cpu = [
+        float(row[key])
+        for row in rows
+        for key in row
+        if key.startswith("DeviceStatsMonitor.on_train_batch_start/cpu_percent") and row[key]
+    ]
     # psutil's system-wide CPU percent: any value is right, so only its count is checked
     assert len(cpu) == STEPS_PER_EPOCH // 2, "one reading per logged step (log_every_n_steps=2)"
     samples = [(int(row["step"]), float(row["train/samples"])) for row in rows if row.get("train/samples")]

@@ -22,8 +22,13 @@ EXPECTED_ERRORS = ["WorkerError", "MeshFailureError", "SystemExit"]
 
 
 def outputs(notebook: nbformat.NotebookNode, kind: str) -> list[tuple[int, nbformat.NotebookNode]]:
-    return [(index, output) for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"
-            for output in cell.outputs if output.output_type == kind]
+    return [
+        (index, output)
+        for index, cell in enumerate(notebook.cells)
+        if cell.cell_type == "code"
+        for output in cell.outputs
+        if output.output_type == kind
+    ]
 
 
 def text(notebook: nbformat.NotebookNode, name: str) -> str:
@@ -34,8 +39,9 @@ def text(notebook: nbformat.NotebookNode, name: str) -> str:
 def executed(tmp_path_factory: pytest.TempPathFactory) -> nbformat.NotebookNode:
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     workdir = tmp_path_factory.mktemp("notebook")
-    NotebookClient(notebook, timeout=300, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(workdir)}}).execute()
+    NotebookClient(
+        notebook, timeout=300, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(workdir)}}
+    ).execute()
     return notebook
 
 

@@ -13,8 +13,8 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from tests.conftest import run_ddp_reference
 from lightning_monarch.strategy import DEFAULT_MAX_AHEAD
+from tests.conftest import run_ddp_reference
 from tests.parity_cases import CASES, FAILING_CASES, comparable_checkpoint, run_case
 
 pytestmark = pytest.mark.timeout(900)
@@ -48,7 +48,7 @@ def assert_same(ours: Any, reference: Any, where: str = "") -> None:
             assert_same(ours[key], reference[key], f"{where}.{key}")
     elif isinstance(reference, (list, tuple)):
         assert len(ours) == len(reference), f"{where}: {len(ours)} != {len(reference)}"
-        for index, (mine, theirs) in enumerate(zip(ours, reference)):
+        for index, (mine, theirs) in enumerate(zip(ours, reference, strict=True)):
             assert_same(mine, theirs, f"{where}[{index}]")
     else:
         assert ours == reference, f"{where}: {ours!r} != {reference!r}"
@@ -61,8 +61,20 @@ def test_same_results_as_ddp(case: str, ddp_results: Path, tmp_path: Path) -> No
 
 #: Cases run again with other leads of the workers: lockstep, one batch, and no limit (a whole
 #: epoch), where the default lead is not the only one that must give ``ddp``'s results.
-OTHER_LEADS = ("plain", "hooks", "step_outputs", "stop_in_step", "early_stopping", "accumulation_scheduler",
-               "iterable_dataset", "loop_flags", "metric_views", "controller_stops", "manual_gan", "resume")
+OTHER_LEADS = (
+    "plain",
+    "hooks",
+    "step_outputs",
+    "stop_in_step",
+    "early_stopping",
+    "accumulation_scheduler",
+    "iterable_dataset",
+    "loop_flags",
+    "metric_views",
+    "controller_stops",
+    "manual_gan",
+    "resume",
+)
 
 
 @pytest.mark.parametrize("max_ahead", [0, 1, None], ids=["lockstep", "one-batch", "unbounded"])
@@ -96,5 +108,7 @@ def assert_same_as_ddp(case: str, reference_dir: Path, tmp_path: Path, max_ahead
     if case in max_epochs:
         assert ours["current_epoch"] < max_epochs[case], "EarlyStopping on the controller stopped the workers early"
     if case == "hooks":
-        trace, reference_trace = (json.loads((path / "trace.json").read_text()) for path in (tmp_path, reference_dir / case))
+        trace, reference_trace = (
+            json.loads((path / "trace.json").read_text()) for path in (tmp_path, reference_dir / case)
+        )
         assert trace == reference_trace

@@ -1,5 +1,5 @@
 """Preflight: every worker checks itself before the first step; all problems come in one error,
-by host and rank; ``python -m lightning_monarch.preflight`` prints a row per worker."""
+by host and rank; ``lightning-monarch preflight`` prints a row per worker."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 import lightning as L
 import pytest
 
-import lightning_monarch.preflight as preflight
+import lightning_monarch.controller.preflight as preflight
+from lightning_monarch import PreflightError
 from lightning_monarch.controller.mesh import WorkerMesh
-from lightning_monarch.preflight import PreflightError
 from lightning_monarch.protocol import WorkerReport, versions
 from lightning_monarch.worker.preflight import device_problem, rccl_warnings
 from tests.conftest import ROOT, stray_workers
@@ -21,10 +21,17 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_the_command_prints_one_row_per_worker() -> None:
-    done = subprocess.run([sys.executable, "-m", "lightning_monarch.preflight", "--devices", "2", "--all-reduce-mib", "1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=100)
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_monarch", "preflight", "--devices", "2", "--all-reduce-mib", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] and line.split()[1:2] in (["0"], ["1"])]
+    rows = [
+        line.split() for line in done.stdout.splitlines() if line.split()[:1] and line.split()[1:2] in (["0"], ["1"])
+    ]
     assert [row[1] for row in rows] == ["0", "1"], done.stdout
     assert all(row[3] == "cpu" and row[5] == versions()["torch"] for row in rows), done.stdout
 
@@ -47,8 +54,11 @@ def test_every_problem_of_every_worker_in_one_error(monkeypatch: pytest.MonkeyPa
 def test_a_worker_without_its_gpu_is_reported() -> None:
     mesh = WorkerMesh.spawn(1, gpu_indices=(0,))
     try:
-        with pytest.raises(PreflightError, match=r"rank 0: sees no GPU \(CUDA_VISIBLE_DEVICES=0\): more `devices` asked"
-                                                 r" for than this host has, or no GPU driver here"):
+        with pytest.raises(
+            PreflightError,
+            match=r"rank 0: sees no GPU \(CUDA_VISIBLE_DEVICES=0\): more `devices` asked"
+            r" for than this host has, or no GPU driver here",
+        ):
             preflight.check(mesh, "cuda", None, all_reduce_mib=1)
     finally:
         mesh.stop()
@@ -59,8 +69,16 @@ def test_fit_does_not_start_on_a_mesh_that_fails_its_checks(monkeypatch: pytest.
 
     lightning_monarch.stop_meshes()  # a new mesh is checked; a warm one was checked already
     monkeypatch.setattr(preflight, "versions", lambda: {**versions(), "lightning": "0.1"})
-    trainer = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = L.Trainer(
+        strategy="monarch",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     with pytest.raises(PreflightError, match="rank 1: lightning .* here, 0.1 on the controller"):
         trainer.fit(Classifier())
     assert trainer.global_step == 0
@@ -76,23 +94,37 @@ def test_more_devices_than_the_host_has_is_named_with_the_host_count() -> None:
     assert "its visibility variable did not reach it" in device_problem(8, {}, host_gpus=8)
 
 
-@pytest.mark.parametrize(("environ", "cmdline", "iommu", "expected"), [
-    ({}, "", False, ["HSA_FORCE_FINE_GRAIN_PCIE is not 1"]),
-    ({"HSA_FORCE_FINE_GRAIN_PCIE": "1"}, "", False, []),
-    ({"HSA_FORCE_FINE_GRAIN_PCIE": "1"}, "ro quiet", True, ["the IOMMU is on without `iommu=pt`"]),
-    ({"HSA_FORCE_FINE_GRAIN_PCIE": "1"}, "ro iommu=pt quiet", True, []),
-])
-def test_rccl_settings_that_amd_documents_as_hang_causes_are_warned(environ: dict, cmdline: str, iommu: bool,
-                                                                     expected: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("environ", "cmdline", "iommu", "expected"),
+    [
+        ({}, "", False, ["HSA_FORCE_FINE_GRAIN_PCIE is not 1"]),
+        ({"HSA_FORCE_FINE_GRAIN_PCIE": "1"}, "", False, []),
+        ({"HSA_FORCE_FINE_GRAIN_PCIE": "1"}, "ro quiet", True, ["the IOMMU is on without `iommu=pt`"]),
+        ({"HSA_FORCE_FINE_GRAIN_PCIE": "1"}, "ro iommu=pt quiet", True, []),
+    ],
+)
+def test_rccl_settings_that_amd_documents_as_hang_causes_are_warned(
+    environ: dict, cmdline: str, iommu: bool, expected: list[str]
+) -> None:
     warnings = rccl_warnings(environ, cmdline, iommu)
-    assert [warning[:len(start)] for warning, start in zip(warnings, expected)] == expected
+    assert [warning[: len(start)] for warning, start in zip(warnings, expected, strict=False)] == expected
     assert len(warnings) == len(expected)
 
 
 def test_each_warning_is_shown_once_with_its_hosts() -> None:
     def report(rank: int, host: str) -> WorkerReport:
-        return WorkerReport(rank=rank, host=host, pid=rank, device="gpu", device_memory_gib=None, versions={},
-                            visible_devices={}, all_reduce_s=None, problems=[], warnings=["setting X is off"])
+        return WorkerReport(
+            rank=rank,
+            host=host,
+            pid=rank,
+            device="gpu",
+            device_memory_gib=None,
+            versions={},
+            visible_devices={},
+            all_reduce_s=None,
+            problems=[],
+            warnings=["setting X is off"],
+        )
 
     with pytest.warns(UserWarning) as caught:
         preflight._warn_once([report(0, "node-a"), report(1, "node-a"), report(2, "node-b")])

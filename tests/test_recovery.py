@@ -44,8 +44,14 @@ def _fit(out: Path, strategy: MonarchStrategy, callbacks: list[L.Callback]) -> t
     L.seed_everything(1234)
     model = Classifier()
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_epochs=3, log_every_n_steps=2,
-        logger=CSVLogger(str(out), name="logs", version=0), enable_progress_bar=False, enable_model_summary=False,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=3,
+        log_every_n_steps=2,
+        logger=CSVLogger(str(out), name="logs", version=0),
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=str(out / "checkpoints"), monitor="val_loss", save_last=True), *callbacks],
     )
     trainer.fit(model)
@@ -79,7 +85,10 @@ def test_killed_worker_is_replaced_and_the_run_ends_as_if_undisturbed(
     assert dict(trainer.callback_metrics) == dict(reference.callback_metrics)
     logs = [(tmp_path / run / "logs" / "version_0" / "metrics.csv").read_text() for run in ("undisturbed", "killed")]
     assert logs[0] == logs[1], "a logged row was lost or written twice"
-    checkpoints = [torch.load(tmp_path / run / "checkpoints" / "last.ckpt", weights_only=False) for run in ("undisturbed", "killed")]
+    checkpoints = [
+        torch.load(tmp_path / run / "checkpoints" / "last.ckpt", weights_only=False)
+        for run in ("undisturbed", "killed")
+    ]
     for key, value in checkpoints[0]["state_dict"].items():
         assert torch.equal(checkpoints[1]["state_dict"][key], value), key
     assert checkpoints[0]["loops"] == checkpoints[1]["loops"]
@@ -104,8 +113,14 @@ class HangOnRank1(Classifier):
 
 def test_hung_worker_is_named_by_the_step_timeout() -> None:
     trainer = L.Trainer(
-        strategy=MonarchStrategy(step_timeout=3), accelerator="cpu", devices=2, max_epochs=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=MonarchStrategy(step_timeout=3),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     started = time.monotonic()
     with pytest.raises(WorkerTimeoutError, match=r"Worker ranks \[1\] did not answer within 3 s") as error:
@@ -122,8 +137,14 @@ def test_checkpoint_of_another_model_is_refused_and_leaves_the_good_checkpoint(t
     other = tmp_path / "other.ckpt"
     torch.save({**torch.load(good, weights_only=False), "state_dict": {"net.0.weight": torch.zeros(3, 3)}}, other)
     trainer = L.Trainer(
-        strategy="monarch", accelerator="cpu", devices=2, max_epochs=4, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "checkpoints"), save_last=True)],
+        strategy="monarch",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "checkpoints"), save_last=True)],
     )
     with pytest.raises(RuntimeError, match=r"size mismatch for net.0.weight"):
         trainer.fit(Classifier(), ckpt_path=str(other))

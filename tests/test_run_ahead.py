@@ -49,7 +49,7 @@ class Counted:
         """Each training batch as the range of entries from its start gate to its end gate."""
         starts = [i for i, entry in enumerate(self.entries) if entry.gate == "callback.on_train_batch_start"]
         ends = [i for i, entry in enumerate(self.entries) if entry.gate == "module.on_train_batch_end"]
-        return list(zip(starts, ends))
+        return list(zip(starts, ends, strict=False))
 
 
 def test_a_steady_training_batch_with_lightnings_defaults_has_no_waited_round_trip(tmp_path: Any) -> None:
@@ -57,18 +57,30 @@ def test_a_steady_training_batch_with_lightnings_defaults_has_no_waited_round_tr
     within a training batch the workers never park and the controller asks them nothing (R4-R6)."""
     with pytest.MonkeyPatch.context() as patch:
         counted = Counted(patch)
-        L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=2, default_root_dir=tmp_path,
-                  logger=CSVLogger(tmp_path)).fit(Classifier())
+        L.Trainer(
+            strategy="monarch",
+            accelerator="cpu",
+            devices=2,
+            max_epochs=2,
+            default_root_dir=tmp_path,
+            logger=CSVLogger(tmp_path),
+        ).fit(Classifier())
     batches = counted.batches()
     assert len(batches) == 12
-    synced = [counted.entries[i].gate for start, end in batches for i in range(start, end + 1) if counted.entries[i].sync]
-    asked = [endpoint for position, endpoint in counted.requests if any(start < position <= end for start, end in batches)]
+    synced = [
+        counted.entries[i].gate for start, end in batches for i in range(start, end + 1) if counted.entries[i].sync
+    ]
+    asked = [
+        endpoint for position, endpoint in counted.requests if any(start < position <= end for start, end in batches)
+    ]
     assert synced == [] and asked == [], (synced, asked)
     # ModelCheckpoint saves from rank 0's state in the entries where it may save: the workers wait
     # only where the controller's plan may grow, once per stage
     assert {entry.gate for entry in counted.entries if entry.sync} == set(PLAN_GATES)
     assert {entry.gate for entry in counted.entries if entry.checkpoint is not None} == {
-        "callback.on_validation_end", "module.on_train_epoch_end"}
+        "callback.on_validation_end",
+        "module.on_train_epoch_end",
+    }
 
 
 def test_a_checkpoint_every_n_steps_travels_in_the_entries_and_the_workers_do_not_wait(tmp_path: Any) -> None:
@@ -77,17 +89,30 @@ def test_a_checkpoint_every_n_steps_travels_in_the_entries_and_the_workers_do_no
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
     with pytest.MonkeyPatch.context() as patch:
         counted = Counted(patch)
-        L.Trainer(strategy=MonarchStrategy(max_ahead=None), accelerator="cpu", devices=2, max_epochs=2, logger=False,
-                  limit_val_batches=0, enable_progress_bar=False, callbacks=[checkpoint]).fit(Classifier())
+        L.Trainer(
+            strategy=MonarchStrategy(max_ahead=None),
+            accelerator="cpu",
+            devices=2,
+            max_epochs=2,
+            logger=False,
+            limit_val_batches=0,
+            enable_progress_bar=False,
+            callbacks=[checkpoint],
+        ).fit(Classifier())
     batches = counted.batches()
-    staged = [(number, counted.entries[i].gate) for number, (start, end) in enumerate(batches, start=1)
-              for i in range(start, end + 1) if counted.entries[i].checkpoint is not None]
+    staged = [
+        (number, counted.entries[i].gate)
+        for number, (start, end) in enumerate(batches, start=1)
+        for i in range(start, end + 1)
+        if counted.entries[i].checkpoint is not None
+    ]
     assert staged == [(step, "callback.on_train_batch_end") for step in (3, 6, 9, 12)]
     first, last = batches[0][0], batches[-1][1]
     during = [endpoint for position, endpoint in counted.requests if first < position <= last]
-    assert not any(entry.sync for entry in counted.entries[first:last + 1]) and during == [], during
+    assert not any(entry.sync for entry in counted.entries[first : last + 1]) and during == [], during
     assert sorted(path.name for path in tmp_path.iterdir()) == [
-        f"epoch={epoch}-step={step}.ckpt" for epoch, step in ((0, 3), (0, 6), (1, 12), (1, 9))]
+        f"epoch={epoch}-step={step}.ckpt" for epoch, step in ((0, 3), (0, 6), (1, 12), (1, 9))
+    ]
 
 
 class StampsItsSteps(Classifier):
@@ -117,20 +142,39 @@ class SlowReader(L.Callback):
 @pytest.mark.parametrize("max_ahead", [3, 0])
 def test_the_workers_lead_by_max_ahead_batches_at_most(max_ahead: int) -> None:
     model, reader = StampsItsSteps(), SlowReader()
-    L.Trainer(strategy=MonarchStrategy(max_ahead=max_ahead), accelerator="cpu", devices=2, max_epochs=1,
-              limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              callbacks=[reader]).fit(model)
+    L.Trainer(
+        strategy=MonarchStrategy(max_ahead=max_ahead),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[reader],
+    ).fit(model)
     # when the controller was done with batch b's end, how many training steps rank 0 had started
     lead = [sum(stamp < seen for stamp in model.step_times) - (batch + 1) for batch, seen in enumerate(reader.seen)]
     assert max(lead) == max_ahead, lead
 
 
 def test_a_callback_wrongly_declared_observe_only_that_stops_training_raises() -> None:
-    trainer = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=3, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, callbacks=[observe_only(StopAtStep(7))])
-    with pytest.raises(DivergenceError, match=r"`StopAtStep.on_train_batch_end` changed `trainer.should_stop` where the"
-                                              r" workers do not wait for the controller.*must not be declared"
-                                              r" observe-only"):
+    trainer = L.Trainer(
+        strategy="monarch",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[observe_only(StopAtStep(7))],
+    )
+    with pytest.raises(
+        DivergenceError,
+        match=r"`StopAtStep.on_train_batch_end` changed `trainer.should_stop` where the"
+        r" workers do not wait for the controller.*must not be declared"
+        r" observe-only",
+    ):
         trainer.fit(Classifier())
 
 
@@ -144,12 +188,22 @@ class SavesACheckpoint(L.Callback):
 
 
 def test_an_observe_only_callback_that_reads_the_weights_raises(tmp_path: Any) -> None:
-    trainer = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        callbacks=[SavesACheckpoint(str(tmp_path / "x.ckpt"))])
-    with pytest.raises(DivergenceError, match=r"`SavesACheckpoint.on_train_batch_end` reads the module's weights or the"
-                                              r" optimizers' state \(a checkpoint\) after `callback.on_train_batch_end`,"
-                                              r" where the workers do not wait.*remove the declaration"):
+    trainer = L.Trainer(
+        strategy="monarch",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[SavesACheckpoint(str(tmp_path / "x.ckpt"))],
+    )
+    with pytest.raises(
+        DivergenceError,
+        match=r"`SavesACheckpoint.on_train_batch_end` reads the module's weights or the"
+        r" optimizers' state \(a checkpoint\) after `callback.on_train_batch_end`,"
+        r" where the workers do not wait.*remove the declaration",
+    ):
         trainer.fit(Classifier())
 
 

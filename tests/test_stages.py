@@ -19,8 +19,14 @@ pytestmark = pytest.mark.timeout(120)
 
 def _predict(strategy: str, devices: int) -> list[torch.Tensor]:
     L.seed_everything(SEED)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return trainer.predict(Classifier())
 
 
@@ -28,7 +34,7 @@ def test_predict_returns_the_whole_dataset_in_order() -> None:
     ours = _predict("monarch", 2)
     single = _predict("auto", 1)
     assert [batch.shape for batch in ours] == [batch.shape for batch in single]
-    assert all(torch.equal(mine, theirs) for mine, theirs in zip(ours, single))
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(ours, single, strict=True))
     assert sum(len(batch) for batch in ours) == 36
 
 
@@ -37,9 +43,17 @@ def test_tensorboard_logger_gets_the_workers_scalars(tmp_path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logger = TensorBoardLogger(str(tmp_path), name="tb", version=0)
-    trainer = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=2, logger=logger,
-                        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        strategy="monarch",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Classifier())
     events = EventAccumulator(logger.log_dir)
     events.Reload()
@@ -72,9 +86,18 @@ class PreparingClassifier(MarksPrepareData, DataModuleClassifier):
 
 
 def _fit(model: L.LightningModule, **kwargs: Any) -> L.Trainer:
-    trainer = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=3,
-                        limit_val_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        strategy="monarch",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, **kwargs)
     return trainer
 
@@ -98,7 +121,9 @@ def test_a_hook_set_on_the_instance_runs_on_the_workers() -> None:
     L.seed_everything(SEED)
     defined = type("AdamClassifier", (Classifier,), {"configure_optimizers": configure_optimizers})()
     _fit(defined)
-    assert all(torch.equal(a, b) for a, b in zip(patched.state_dict().values(), defined.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(patched.state_dict().values(), defined.state_dict().values(), strict=True)
+    )
     assert "configure_optimizers" in vars(patched)  # put back as the user set it
 
 
@@ -107,13 +132,25 @@ class RecordsTorchFlags(Classifier):
         self.seen_flags = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
 
 
-@pytest.mark.parametrize(("flags", "expected"), [({"deterministic": True}, (True, False)), ({"benchmark": True}, (False, True))])
+@pytest.mark.parametrize(
+    ("flags", "expected"), [({"deterministic": True}, (True, False)), ({"benchmark": True}, (False, True))]
+)
 def test_deterministic_and_benchmark_reach_the_workers(flags: dict, expected: tuple) -> None:
     model = RecordsTorchFlags()
     try:
-        L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=1, limit_val_batches=0,
-                  logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                  **flags).fit(model)
+        L.Trainer(
+            strategy="monarch",
+            accelerator="cpu",
+            devices=2,
+            max_epochs=1,
+            limit_train_batches=1,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **flags,
+        ).fit(model)
     finally:  # the Trainer set them in this process too
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.benchmark = False

@@ -25,8 +25,15 @@ pytestmark = pytest.mark.timeout(180)
 
 def _trainer(strategy: Any = "monarch", devices: int = 2) -> L.Trainer:
     return L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=1, limit_train_batches=4,
-        limit_val_batches=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False,
     )
 
@@ -83,7 +90,9 @@ print("PIDS", *MESHES.worker_pids(), flush=True)
 
 def test_interpreter_exit_stops_the_warm_mesh() -> None:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", _EXITING_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _EXITING_SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     pids = [int(pid) for pid in done.stdout.split("PIDS", 1)[1].split()]
     assert len(pids) == 2

@@ -49,21 +49,27 @@ class Comparison:
         return self.median_ms("ddp") / self.median_ms("monarch")
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "median_ms": {mode: self.median_ms(mode) for mode in self.step_ms},
-                "throughput_ratio_monarch_over_ddp": self.throughput_ratio}
+        return {
+            **asdict(self),
+            "median_ms": {mode: self.median_ms(mode) for mode in self.step_ms},
+            "throughput_ratio_monarch_over_ddp": self.throughput_ratio,
+        }
 
     def table(self) -> str:
         """The medians side by side, and the ratio."""
         runs = len(self.step_ms["monarch"])
         lines = [f"{'strategy':<10}{'ms/step':>10}   (median of {runs} run(s), {self.steps} timed steps each)"]
         lines += [f"{mode:<10}{self.median_ms(mode):>10.1f}" for mode in MODES]
-        lines.append(f"monarch/ddp throughput: {self.throughput_ratio:.2f}"
-                     f" (monarch adds {self.median_ms('monarch') - self.median_ms('ddp'):.1f} ms per step)")
+        lines.append(
+            f"monarch/ddp throughput: {self.throughput_ratio:.2f}"
+            f" (monarch adds {self.median_ms('monarch') - self.median_ms('ddp'):.1f} ms per step)"
+        )
         return "\n".join(lines)
 
 
-def compare(size: str, steps: int, accelerator: str, devices: int, reps: int,
-            progress: Callable[[str], None]) -> Comparison:
+def compare(
+    size: str, steps: int, accelerator: str, devices: int, reps: int, progress: Callable[[str], None]
+) -> Comparison:
     """Time ``steps`` training steps of the ``size`` model ``reps`` times per mode, alternating the
     modes; report each run to ``progress`` as it ends."""
     step_ms: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -72,8 +78,10 @@ def compare(size: str, steps: int, accelerator: str, devices: int, reps: int,
         # WARMUP_STEPS untimed steps, then steps + 1 batch ends make steps intervals
         result = _measure(mode, size, steps + WARMUP_STEPS + 1, accelerator, devices)
         step_ms[mode].append(result["step_ms"])
-        progress(f"[{done}/{len(order)}] {mode}, {size}: {result['step_ms']:.1f} ms/step"
-                 f" (first step after {result['first_step_s']:.1f} s)")
+        progress(
+            f"[{done}/{len(order)}] {mode}, {size}: {result['step_ms']:.1f} ms/step"
+            f" (first step after {result['first_step_s']:.1f} s)"
+        )
     return Comparison(size, steps, accelerator, devices, step_ms)
 
 
@@ -82,8 +90,23 @@ def _measure(mode: str, size: str, steps: int, accelerator: str, devices: int) -
     own workers or ranks, and is killed if it has not ended after a while."""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "result.json"
-        command = [sys.executable, "-m", "lightning_monarch.benchmark.measure", "--mode", mode, "--size", size,
-                   "--steps", str(steps), "--accelerator", accelerator, "--devices", str(devices), "--out", str(out)]
+        command = [
+            sys.executable,
+            "-m",
+            "lightning_monarch.benchmark.measure",
+            "--mode",
+            mode,
+            "--size",
+            size,
+            "--steps",
+            str(steps),
+            "--accelerator",
+            accelerator,
+            "--devices",
+            str(devices),
+            "--out",
+            str(out),
+        ]
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             output, _ = process.communicate()

@@ -23,6 +23,7 @@ import lightning as L
 import psutil
 import torch
 from lightning.pytorch.callbacks import Checkpoint
+from typing_extensions import override
 
 from lightning_monarch import MonarchStrategy, observe_only
 from lightning_monarch.benchmark.models import SIZES, BenchModel
@@ -50,9 +51,11 @@ class StepClock(L.Callback):
         self.path = path
         self.batch_ends: list[float] = []
 
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.batch_ends.append(time.perf_counter())
 
+    @override
     def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.is_global_zero:  # ddp_spawn's rank 0 is not the process that called fit
             with open(self.path, "w") as handle:
@@ -74,8 +77,16 @@ def worker_peak_rss_mib() -> list[float]:
     return [peak_rss_mib(p.pid) for p in workers] or [peak_rss_mib()]
 
 
-def timed_fit(mode: str, size: str, steps: int, out: str, accelerator: str = "cpu", devices: int = 2,
-              clock: str = "steps", callbacks: Sequence[L.Callback] = ()) -> tuple[L.Trainer, BenchModel, dict[str, Any]]:
+def timed_fit(
+    mode: str,
+    size: str,
+    steps: int,
+    out: str,
+    accelerator: str = "cpu",
+    devices: int = 2,
+    clock: str = "steps",
+    callbacks: Sequence[L.Callback] = (),
+) -> tuple[L.Trainer, BenchModel, dict[str, Any]]:
     """One ``fit`` of ``steps`` steps of a model seeded alike in every mode; rank 0's clock
     (written to ``out``) when this is rank 0. ``clock="steps"`` times the steps where they run;
     ``"controller"`` times them on the controller under ``monarch``, with an observe-only callback.
@@ -85,10 +96,17 @@ def timed_fit(mode: str, size: str, steps: int, out: str, accelerator: str = "cp
     timer = StepClock(out)
     on_workers = mode == "monarch" and clock == "steps"
     trainer = L.Trainer(
-        strategy=MonarchStrategy(worker_callbacks=[timer]) if on_workers else mode, accelerator=accelerator,
-        devices=devices, max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=any(isinstance(callback, Checkpoint) for callback in callbacks), num_sanity_val_steps=0,
-        limit_val_batches=0, callbacks=[*([] if on_workers else [observe_only(timer)]), *callbacks],
+        strategy=MonarchStrategy(worker_callbacks=[timer]) if on_workers else mode,
+        accelerator=accelerator,
+        devices=devices,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=any(isinstance(callback, Checkpoint) for callback in callbacks),
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[*([] if on_workers else [observe_only(timer)]), *callbacks],
     )
     started = time.perf_counter()
     trainer.fit(model)
@@ -96,7 +114,9 @@ def timed_fit(mode: str, size: str, steps: int, out: str, accelerator: str = "cp
     if trainer.is_global_zero:
         with open(out) as handle:
             batch_ends = json.load(handle)
-        measured.update(first_step_s=batch_ends[0] - started, batch_ends=batch_ends, worker_peak_rss_mib=worker_peak_rss_mib())
+        measured.update(
+            first_step_s=batch_ends[0] - started, batch_ends=batch_ends, worker_peak_rss_mib=worker_peak_rss_mib()
+        )
     return trainer, model, measured
 
 
@@ -104,7 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser, modes: Sequence[str]) -> argp
     """Give ``parser`` the options of one run (this module's and ``benchmarks/run_one.py``'s)."""
     parser.add_argument("--mode", choices=list(modes), required=True)
     parser.add_argument("--size", choices=list(SIZES), required=True)
-    parser.add_argument("--steps", type=int, default=100, help=f"training steps; the first {WARMUP_STEPS} are not timed")
+    parser.add_argument(
+        "--steps", type=int, default=100, help=f"training steps; the first {WARMUP_STEPS} are not timed"
+    )
     parser.add_argument("--out", required=True, help="the JSON file to write the figures to")
     parser.add_argument("--accelerator", default="cpu", help="cpu, or gpu for the Lightning modes")
     parser.add_argument("--devices", type=int, default=2)
@@ -112,13 +134,23 @@ def add_arguments(parser: argparse.ArgumentParser, modes: Sequence[str]) -> argp
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    args = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]), ("monarch", "ddp")).parse_args(argv)
+    args = add_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]), ("monarch", "ddp")).parse_args(
+        argv
+    )
     torch.set_num_threads(1)  # one core per rank in both modes, as Lightning's DDP sets for 2 ranks on 2 cores
-    trainer, _, measured = timed_fit(args.mode, args.size, args.steps, args.out + ".clock", args.accelerator, args.devices)
+    trainer, _, measured = timed_fit(
+        args.mode, args.size, args.steps, args.out + ".clock", args.accelerator, args.devices
+    )
     if trainer.is_global_zero:
         with open(args.out, "w") as handle:
-            json.dump({"step_ms": 1000 * step_seconds(measured["batch_ends"]), "first_step_s": measured["first_step_s"],
-                       "fit_s": measured["fit_s"]}, handle)
+            json.dump(
+                {
+                    "step_ms": 1000 * step_seconds(measured["batch_ends"]),
+                    "first_step_s": measured["first_step_s"],
+                    "fit_s": measured["fit_s"],
+                },
+                handle,
+            )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
 #: (input features, hidden width, depth, batch size) per size; the step times are what these take
 #: on the 2-core development machine with 2 workers: about 3 ms, 30 ms and 200 ms.
@@ -34,7 +35,9 @@ def make_dataset(size: str, batches: int) -> TensorDataset:
     features, _, _, batch_size = SIZES[size]
     generator = torch.Generator().manual_seed(0)
     count = batches * batch_size
-    return TensorDataset(torch.randn(count, features, generator=generator), torch.randint(0, 10, (count,), generator=generator))
+    return TensorDataset(
+        torch.randn(count, features, generator=generator), torch.randint(0, 10, (count,), generator=generator)
+    )
 
 
 class BenchModel(L.LightningModule):
@@ -45,30 +48,37 @@ class BenchModel(L.LightningModule):
         self.size, self.batches = size, batches
         self.net = make_network(size)
 
+    @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
 
+    @override
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self.net(batch[0]).softmax(-1)
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
     def _loader(self) -> DataLoader:
         return DataLoader(make_dataset(self.size, self.batches), batch_size=SIZES[self.size][3])
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return self._loader()
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._loader()
 
+    @override
     def predict_dataloader(self) -> DataLoader:
         return self._loader()

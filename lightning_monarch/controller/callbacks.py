@@ -8,7 +8,7 @@ it as under DDP. Callbacks that drive the loop or write files stay on the contro
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import (

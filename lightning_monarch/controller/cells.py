@@ -9,9 +9,11 @@ loop from Monarch for the duration of one controller call, and puts it back afte
 
 from __future__ import annotations
 
-import asyncio
 import functools
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from lightning_monarch._compat import python as python_compat
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -21,13 +23,7 @@ def blocks_the_cell(function: F) -> F:
 
     @functools.wraps(function)
     def hidden_loop(*args: Any, **kwargs: Any) -> Any:
-        loop = asyncio._get_running_loop()
-        if loop is None:
+        with python_compat.running_loop_hidden():
             return function(*args, **kwargs)
-        asyncio._set_running_loop(None)
-        try:
-            return function(*args, **kwargs)
-        finally:
-            asyncio._set_running_loop(loop)
 
     return hidden_loop  # type: ignore[return-value]

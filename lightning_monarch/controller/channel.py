@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 class StageChannel:
     """Runs on the controller: one stage's messages to the workers and entries from rank 0."""
 
-    def __init__(self, mesh: WorkerMesh, spec: StageSpec, max_restarts: int = 0,
-                 snapshots: Optional[SnapshotDirectory] = None) -> None:
+    def __init__(
+        self, mesh: WorkerMesh, spec: StageSpec, max_restarts: int = 0, snapshots: Optional[SnapshotDirectory] = None
+    ) -> None:
         """With ``max_restarts`` > 0, a dead or hung worker is replaced up to that many times, from
         the last snapshot: in this process's memory, or for a sharded module, in ``snapshots``,
         where every rank writes its shards."""
@@ -110,6 +111,7 @@ class StageChannel:
         self._spec = dataclasses.replace(self._spec, resume=resume)
         self._journal, self._history = [], []
         if self._snapshots is not None:
+            assert directory is not None  # made by ``self._snapshots`` above
             self._snapshots.keep(directory)
         self._origin = f"the snapshot at the start of epoch {epoch}"
 
@@ -120,9 +122,10 @@ class StageChannel:
     # ----- delivery and recovery -------------------------------------------------------------
 
     def _send(self, message: Message, journal: bool = True) -> Any:
-        kept = journal and self._journal is not None
-        if kept:
+        kept = False
+        if journal and self._journal is not None:
             self._journal.append((len(self._history), message))
+            kept = True
         while True:
             try:
                 return self.mesh.deliver(message)
@@ -158,8 +161,15 @@ class StageChannel:
                 "lightning_monarch: recovered from a failure of worker rank(s) %s (%s): started %d new worker"
                 " processes, which ran from %s through %d recorded gates and %d messages again, in %.1f s"
                 " (restart %d; %d left).",
-                list(failure.ranks) or "unknown", str(failure).split(":")[0], self.mesh.num_workers, self._origin,
-                len(self._history), len(journal), time.monotonic() - started, self.restarts, self._restarts_left,
+                list(failure.ranks) or "unknown",
+                str(failure).split(":")[0],
+                self.mesh.num_workers,
+                self._origin,
+                len(self._history),
+                len(journal),
+                time.monotonic() - started,
+                self.restarts,
+                self._restarts_left,
             )
             return
 

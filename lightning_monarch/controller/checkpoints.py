@@ -1,4 +1,4 @@
-"""Sharded checkpoint directories under ``MonarchStrategy(parallelism="fsdp")``, on the controller.
+"""Sharded checkpoint directories under ``MonarchFSDPStrategy``, on the controller.
 
 Runs on the controller, and the converter in any single process (no workers, no process group).
 A sharded checkpoint is a directory: the workers' shards in PyTorch's distributed checkpoint
@@ -49,13 +49,13 @@ def prepare_directory(path: Union[str, Path]) -> Path:
 class SnapshotDirectory:
     """Runs on the controller: where the workers write a sharded stage's recovery snapshots.
 
-    Under ``MonarchStrategy(parallelism="fsdp", max_restarts=k)`` no worker holds a replica, so a
-    recovery snapshot is a sharded checkpoint directory (``StateReader.snapshot``) that every rank
-    writes its shards into and a replacement worker's ``ModelParallelStrategy`` resumes from. The
-    stage gets a new temporary directory inside ``root`` (by default the system's temporary
-    directory, on this host; workers on several hosts need a path that they and this process all
-    reach), one subdirectory per snapshot, of which only the last is kept; ``remove`` deletes it
-    all when the stage ends, however it ends.
+    Under ``MonarchFSDPStrategy(max_restarts=k)`` no worker holds a replica, so a
+    recovery snapshot is a sharded checkpoint directory (``RankState.snapshot``, ``worker.state``)
+    that every rank writes its shards into and a replacement worker's ``ModelParallelStrategy``
+    resumes from. The stage gets a new temporary directory inside ``root`` (by default the
+    system's temporary directory, on this host; workers on several hosts need a path that they and
+    this process all reach), one subdirectory per snapshot, of which only the last is kept;
+    ``remove`` deletes it all when the stage ends, however it ends.
     """
 
     def __init__(self, root: Optional[Union[str, Path]] = None) -> None:
@@ -85,7 +85,8 @@ def check_module_keys(path: Union[str, Path], module: nn.Module, strict: bool = 
     other. Reads only the checkpoint's DCP metadata, no tensor."""
     prefix = f"{_MODULE_KEY}."
     saved = {
-        key[len(prefix):] for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        key[len(prefix) :]
+        for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata
         if key.startswith(prefix)
     }
     expected = set(module.state_dict())
@@ -102,7 +103,7 @@ def check_module_keys(path: Union[str, Path], module: nn.Module, strict: bool = 
 def convert_sharded_checkpoint(src_dir: Union[str, Path], dst_file: Union[str, Path]) -> None:
     """Write the sharded checkpoint directory ``src_dir`` as one Lightning checkpoint file, ``dst_file``.
 
-    ``src_dir`` comes from ``MonarchStrategy(parallelism="fsdp")`` or Lightning's
+    ``src_dir`` comes from ``MonarchFSDPStrategy`` or Lightning's
     ``ModelParallelStrategy``; the file is for inference: ``MyModel.load_from_checkpoint(dst_file)``.
 
     Runs in this process alone, on its CPU, with no worker: the full weights (and optimizer
@@ -114,7 +115,7 @@ def convert_sharded_checkpoint(src_dir: Union[str, Path], dst_file: Union[str, P
         raise FileNotFoundError(
             f"`convert_sharded_checkpoint({str(src_dir)!r}, ...)`: no sharded checkpoint there (a directory with"
             f" `{METADATA_FILENAME}`). Give the directory that `trainer.save_checkpoint(path)` or `ModelCheckpoint`"
-            " wrote under `MonarchStrategy(parallelism='fsdp')`."
+            " wrote under `MonarchFSDPStrategy`."
         )
     destination = Path(dst_file).absolute()
     destination.parent.mkdir(parents=True, exist_ok=True)
@@ -124,8 +125,10 @@ def convert_sharded_checkpoint(src_dir: Union[str, Path], dst_file: Union[str, P
         dcp_to_torch_save(src_dir, full)
         tensors = torch.load(full, map_location="cpu", mmap=True)
         checkpoint["state_dict"] = tensors.pop(_MODULE_KEY)
-        optimizers = sorted((key for key in tensors if key.startswith(_OPTIMIZER_PREFIX)),
-                            key=lambda key: int(key[len(_OPTIMIZER_PREFIX):]))
+        optimizers = sorted(
+            (key for key in tensors if key.startswith(_OPTIMIZER_PREFIX)),
+            key=lambda key: int(key[len(_OPTIMIZER_PREFIX) :]),
+        )
         if optimizers:
             checkpoint["optimizer_states"] = [tensors.pop(key) for key in optimizers]
         torch.save(checkpoint, destination)

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.actor import HostMesh, attach_to_workers
 from monarch.job import SlurmJob
 
+from lightning_monarch._compat import monarch as monarch_compat
 from lightning_monarch.controller.cells import blocks_the_cell
 from lightning_monarch.errors import UnreachableHostsError
 
@@ -70,8 +71,12 @@ def host_mesh(hosts: Any, num_nodes: int, gpus_per_host: int, connect_timeout: f
 
 
 def _is_address_list(hosts: Any) -> bool:
-    return (isinstance(hosts, Sequence) and not isinstance(hosts, str) and bool(hosts)
-            and all(isinstance(address, str) for address in hosts))
+    return (
+        isinstance(hosts, Sequence)
+        and not isinstance(hosts, str)
+        and bool(hosts)
+        and all(isinstance(address, str) for address in hosts)
+    )
 
 
 def _job_host_mesh(job: Any) -> HostMesh:
@@ -89,12 +94,12 @@ def check_job(job: Any, num_nodes: int, gpus_per_host: int) -> None:
     """Check a Monarch job's specification before it is submitted.
 
     Monarch's jobs keep their mesh specification (mesh name to host count, or a mesh config on
-    Kubernetes) in ``_meshes``; reading it here lets a misnamed or missized host mesh fail before
-    a scheduler queue is joined.
+    Kubernetes); reading it here lets a misnamed or missized host mesh fail before a scheduler
+    queue is joined.
     """
-    meshes = getattr(job, "_meshes", None)
+    meshes = monarch_compat.job_meshes(job)
     kind = type(job).__name__
-    if isinstance(meshes, dict):
+    if meshes is not None:
         if HOSTS_MESH not in meshes:
             raise MisconfigurationException(
                 f"`MonarchStrategy(hosts={kind}(...))`: the job has no host mesh named 'hosts' (it has"
@@ -114,14 +119,15 @@ def check_job(job: Any, num_nodes: int, gpus_per_host: int) -> None:
 def _check_slurm_job(job: SlurmJob, gpus_per_host: int) -> None:
     """The ``SlurmJob`` options that ``strategy='monarch'`` depends on, read from the job's
     specification (``SlurmJob``'s constructor arguments, kept as attributes)."""
-    if job._ntasks_per_node != 1:
+    tasks = monarch_compat.slurm_tasks_per_node(job)
+    if tasks != 1:
         raise MisconfigurationException(
-            f"`SlurmJob(ntasks_per_node={job._ntasks_per_node})`: each node runs one Monarch host process, which"
+            f"`SlurmJob(ntasks_per_node={tasks})`: each node runs one Monarch host process, which"
             " starts the `devices` workers itself; more tasks per node would serve the same port twice. Use"
             " `ntasks_per_node=1` (the default)."
         )
     if gpus_per_host:
-        gpus = job._gpus_per_node
+        gpus = monarch_compat.slurm_gpus_per_node(job)
         if gpus is None or gpus < gpus_per_host:
             raise MisconfigurationException(
                 f"`Trainer(strategy='monarch', accelerator='gpu', devices={gpus_per_host})` runs {gpus_per_host}"
@@ -142,7 +148,7 @@ def _job_addresses(job: Any) -> list[str]:
     """The workers' addresses of a job whose hosts are known once it runs (``SlurmJob``: its
     allocated hostnames and port), for naming the ones that do not connect; empty otherwise."""
     if isinstance(job, SlurmJob):
-        return [f"tcp://{hostname}:{job._port}" for hostname in job._all_hostnames]
+        return monarch_compat.slurm_addresses(job)
     return []
 
 
@@ -156,11 +162,15 @@ def wait_for_hosts(mesh: HostMesh, addresses: list[str], timeout: float) -> None
         pass
     unreachable = [address for address in addresses if not reachable(address)]
     if unreachable:
-        detail = (f"{len(unreachable)} of {len(addresses)} worker address(es) do not accept a connection:"
-                  f" {', '.join(unreachable)}.")
+        detail = (
+            f"{len(unreachable)} of {len(addresses)} worker address(es) do not accept a connection:"
+            f" {', '.join(unreachable)}."
+        )
     elif addresses:
-        detail = (f"every worker address ({', '.join(addresses)}) accepts a connection, but not every one answered"
-                  " as a Monarch worker.")
+        detail = (
+            f"every worker address ({', '.join(addresses)}) accepts a connection, but not every one answered"
+            " as a Monarch worker."
+        )
     else:
         detail = f"the job's {host_count(mesh)} host(s) did not connect."
     raise UnreachableHostsError(

@@ -9,29 +9,23 @@ from __future__ import annotations
 import functools
 import io
 import logging
-import os
 import re
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
+from monarch.actor import HostMesh, ProcMesh, this_host
+from monarch.spmd import setup_torch_elastic_env
 
-# How often Monarch checks that worker processes are alive; its default (about 10 s) leaves a
-# controller waiting that long on a dead worker. Read when Monarch starts, so set before import.
-os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
-
-import monarch.actor  # noqa: E402
-from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError  # noqa: E402
-from monarch.actor import HostMesh, ProcMesh, this_host  # noqa: E402
-from monarch.spmd import setup_torch_elastic_env  # noqa: E402
-
-from lightning_monarch.controller.hosts import host_count  # noqa: E402
-from lightning_monarch.controller.output import WorkerOutput  # noqa: E402
-from lightning_monarch.controller.watch import POLL_S, ProcessWatch  # noqa: E402
-from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError  # noqa: E402
-from lightning_monarch.protocol import (  # noqa: E402
+from lightning_monarch._compat.monarch import SupervisionError, failed_rank
+from lightning_monarch.controller.hosts import host_count
+from lightning_monarch.controller.output import WorkerOutput
+from lightning_monarch.controller.watch import POLL_S, ProcessWatch
+from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError
+from lightning_monarch.protocol import (
     Entry,
     Grant,
     PredictionShard,
@@ -40,8 +34,8 @@ from lightning_monarch.protocol import (  # noqa: E402
     WorkerFailure,
     WorkerReport,
 )
-from lightning_monarch.worker.actor import MonarchWorker  # noqa: E402
-from lightning_monarch.worker.process import LOCAL_DIMENSION, start_worker_process  # noqa: E402
+from lightning_monarch.worker.actor import MonarchWorker
+from lightning_monarch.worker.process import LOCAL_DIMENSION, start_worker_process
 
 log = logging.getLogger(__name__)
 
@@ -56,34 +50,6 @@ _PING_TIMEOUT_S = 5.0
 _SUPERVISION_GRACE_S = 20.0
 #: What a survivor's error says when a peer of its collective is gone (gloo's and NCCL's words).
 _PEER_LOST = re.compile(r"closed by peer|reset by peer|remote worker|NCCL|RCCL|Connection refused|Broken pipe", re.I)
-
-
-def _log_fault(failure: Any) -> None:
-    """Replaces Monarch's ``unhandled_fault_hook``, whose default exits the controller.
-
-    Monarch calls it from its own thread when a worker process dies or an actor fails outside a
-    call, including the processes of a mesh the controller killed itself after a failure. A
-    failure that matters reaches the call waiting on that worker, which raises it (see
-    ``WorkerMesh._gather``); here it is only logged, at debug level. A failure of an earlier,
-    already stopped mesh must not fail the next one.
-    """
-    log.debug("Monarch reported a worker mesh failure: %s", failure)
-
-
-monarch.actor.unhandled_fault_hook = _log_fault
-
-
-def failed_rank(report: str) -> Optional[int]:
-    """The global rank of the worker that Monarch's supervision ``report`` names, from the point it
-    gives (``{'hosts': 1/2, 'gpus': 0/4}``): the row-major index over every dimension, which is the
-    ``RANK`` that ``setup_torch_elastic_env`` gave that process. ``None`` if it names no point."""
-    point = re.search(r"\{((?:'\w+': \d+/\d+(?:, )?)+)\}", report)
-    if point is None:
-        return None
-    rank = 0
-    for index, size in re.findall(r"'\w+': (\d+)/(\d+)", point.group(1)):
-        rank = rank * int(size) + int(index)
-    return rank
 
 
 def by_rank(answers: list[Any]) -> list[Any]:
@@ -117,8 +83,13 @@ class WorkerMesh:
     ``MeshFailureError``, which ``controller.channel`` recovers from when restarts are allowed.
     """
 
-    def __init__(self, hosts: HostMesh, per_host: int, gpu_indices: Optional[tuple[int, ...]] = None,
-                 output: Optional[WorkerOutput] = None) -> None:
+    def __init__(
+        self,
+        hosts: HostMesh,
+        per_host: int,
+        gpu_indices: Optional[tuple[int, ...]] = None,
+        output: Optional[WorkerOutput] = None,
+    ) -> None:
         """A mesh not yet started; :meth:`spawn` starts one."""
         self.num_workers = per_host * host_count(hosts)
         self._hosts = hosts
@@ -128,14 +99,19 @@ class WorkerMesh:
         self._procs: Optional[ProcMesh] = None
         #: How long a message may wait for the workers before they count as hung; ``None`` waits.
         self.step_timeout: Optional[float] = None
-        #: Whether ``lightning_monarch.preflight`` checked these workers.
+        #: Whether ``controller.preflight`` checked these workers.
         self.checked = False
         #: A worker's death that ended rank 0's entries, raised by the next fetch after them.
         self._death: Optional[MeshFailureError] = None
 
     @classmethod
-    def spawn(cls, per_host: int, gpu_indices: Optional[tuple[int, ...]] = None, hosts: Optional[HostMesh] = None,
-              output: Optional[WorkerOutput] = None) -> "WorkerMesh":
+    def spawn(
+        cls,
+        per_host: int,
+        gpu_indices: Optional[tuple[int, ...]] = None,
+        hosts: Optional[HostMesh] = None,
+        output: Optional[WorkerOutput] = None,
+    ) -> WorkerMesh:
         """Start, on each of ``hosts`` (by default this host), ``per_host`` worker processes, GPU
         workers pinned to the ``devices=`` index of their local rank in ``gpu_indices``, and their
         torch elastic environment; ``output`` forwards what workers on other hosts print."""
@@ -148,8 +124,9 @@ class WorkerMesh:
         ``worker.process`` as a torchrun rank, a GPU worker pinned to the ``devices=`` index of its
         local rank; then a ``MonarchWorker`` in each, which says who it is. Workers on other hosts
         forward their output here (``WorkerOutput``)."""
-        bootstrap = functools.partial(start_worker_process, f"lightning_monarch-{uuid.uuid4().hex[:12]}",
-                                      self._gpu_indices)
+        bootstrap = functools.partial(
+            start_worker_process, f"lightning_monarch-{uuid.uuid4().hex[:12]}", self._gpu_indices
+        )
         WorkerOutput.forward_new_processes(self._output is not None)
         procs = self._hosts.spawn_procs(per_host={LOCAL_DIMENSION: self._per_host}, bootstrap=bootstrap)
         try:
@@ -219,8 +196,7 @@ class WorkerMesh:
                     checked = time.monotonic()
                     pending.extend(self._workers.status.stream())
             except SupervisionError as error:
-                self._raise_if_dead()
-                raise self._died(error) from error
+                self._raise_death(error)
         entries = torch.load(io.BytesIO(answer), weights_only=False)
         if entries and entries[-1].failure is not None:
             try:
@@ -240,8 +216,7 @@ class WorkerMesh:
         except TimeoutError:
             return False
         except SupervisionError as error:
-            self._raise_if_dead()
-            raise self._died(error) from error
+            self._raise_death(error)
         if status.failure is not None:
             self._raise_if_a_death_caused(status.failure, self._workers.status.stream())
             raise WorkerError(status.failure)
@@ -312,8 +287,7 @@ class WorkerMesh:
             for future in pending:
                 values.append(self._check(self._wait(future, started, limit, values)))
         except SupervisionError as error:
-            self._raise_if_dead()
-            raise self._died(error) from error
+            self._raise_death(error)
         except WorkerError as error:
             self._raise_if_a_death_caused(error.failure, pending)
             raise
@@ -345,6 +319,12 @@ class WorkerMesh:
             except Exception:  # another survivor's error: the death may still be reported
                 continue
 
+    def _raise_death(self, error: Exception) -> NoReturn:
+        """Raise the death that Monarch's supervision ``error`` reports: as the process watch saw
+        it, if it did (it names a rank on this host at once), else from Monarch's report."""
+        self._raise_if_dead()
+        raise self._died(error) from error
+
     @staticmethod
     def _died(error: Exception) -> MeshFailureError:
         """Monarch's report of a dead worker process, as ``MeshFailureError`` naming its rank."""
@@ -366,8 +346,9 @@ class WorkerMesh:
                 self._raise_if_dead()
                 self._raise_if_timed_out(started, {getattr(value, "rank", None) for value in answered}, limit)
 
-    def _raise_if_timed_out(self, started: float, answered: Iterable[Optional[int]],
-                            limit: Optional[float] = None) -> None:
+    def _raise_if_timed_out(
+        self, started: float, answered: Iterable[Optional[int]], limit: Optional[float] = None
+    ) -> None:
         """Raise ``WorkerTimeoutError`` once a wait that began at ``started`` passed ``limit`` (by
         default ``step_timeout``), naming the ranks that did not answer (or did not get as far)."""
         limit = self.step_timeout if limit is None else limit

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Optional, Protocol
 
 import torch
-
 from lightning.pytorch import Trainer
+from typing_extensions import override
 
-from lightning_monarch import _compat
+from lightning_monarch._compat import lightning as lightning_compat
 
 
 class MetricsSource(Protocol):
@@ -28,32 +29,38 @@ class MetricsSource(Protocol):
     def next_eval_outputs(self) -> dict[str, Any]: ...
 
 
-class _MirroredLoggerConnector(_compat.LoggerConnector):
+class _MirroredLoggerConnector(lightning_compat.LoggerConnector):
     """Lightning's logger connector whose metric views come from the workers."""
 
     _monarch_source: MetricsSource
 
-    def _mirror(self, view: str, stored: dict[str, Any]) -> dict[str, Any]:
+    def _mirror(self, view: str) -> dict[str, Any]:
         # Update, not replace: controller callbacks write into these dicts too (LearningRateMonitor
         # adds its learning rates to ``callback_metrics``), as they would into rank 0's under DDP.
+        stored = lightning_compat.metric_store(self, view)
         stored.update(self._monarch_source.read_metrics(view))
         return stored
 
     @property
+    @override
     def callback_metrics(self) -> dict[str, Any]:
-        return self._mirror("callback_metrics", self._callback_metrics)
+        return self._mirror("callback_metrics")
 
     @property
+    @override
     def progress_bar_metrics(self) -> dict[str, Any]:
-        return self._mirror("progress_bar_metrics", self._progress_bar_metrics)
+        return self._mirror("progress_bar_metrics")
 
     @property
+    @override
     def logged_metrics(self) -> dict[str, Any]:
-        return self._mirror("logged_metrics", self._logged_metrics)
+        return self._mirror("logged_metrics")
 
+    @override
     def update_eval_epoch_metrics(self) -> dict[str, Any]:
         return self._monarch_source.next_eval_outputs()
 
+    @override
     def log_eval_end_metrics(self, metrics: dict[str, Any]) -> None:
         """The workers' own call reaches the controller's loggers through the recording logger."""
 
@@ -75,7 +82,11 @@ class MetricOrigins:
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
                 forget = functools.partial(self._origins.pop, id(value), None)
-                self._origins[id(value)] = (weakref.ref(value, lambda _, forget=forget: forget()), view, key)
+
+                def forget_when_collected(_: weakref.ref, forget: Callable[[], Any] = forget) -> Any:
+                    return forget()
+
+                self._origins[id(value)] = (weakref.ref(value, forget_when_collected), view, key)
 
     def origin(self, tensor: Any) -> Optional[tuple[str, str]]:
         """``(view, key)`` of a tensor the workers sent, as it was sent; ``None`` for any other."""
@@ -87,13 +98,11 @@ class MetricOrigins:
 
 def mirror_metrics(trainer: Trainer, source: MetricsSource) -> Callable[[], None]:
     """Route ``trainer``'s metric views to ``source`` until the returned undo is called."""
-    connector = trainer._logger_connector
-    original = type(connector)
-    connector.__class__ = _MirroredLoggerConnector
-    connector._monarch_source = source
+    connector, restore_class = lightning_compat.logger_connector_class(trainer, _MirroredLoggerConnector)
+    connector._monarch_source = source  # type: ignore[attr-defined]
 
     def undo() -> None:
-        connector.__class__ = original
-        del connector._monarch_source
+        restore_class()
+        del connector._monarch_source  # type: ignore[attr-defined]
 
     return undo

@@ -7,12 +7,14 @@ dataloaders to exist; these mirrors give it what it reads (hyperparameters for
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from typing_extensions import override
 
+from lightning_monarch._compat.torch import tree_flatten, tree_unflatten
 from lightning_monarch.protocol import CheckpointState, LoaderRef, OptimizerRef, SchedulerRef
 
 StateSource = Callable[[], CheckpointState]
@@ -31,11 +33,13 @@ class OptimizerMirror(torch.optim.Optimizer):
         self._closure_runs = closure_runs
         self.single_closure = ref.single_closure
 
+    @override
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The workers zero their gradients; the placeholders keep theirs, so that Lightning's
         gradient clipping on the controller has something (zero) to clip."""
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+    @override
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = None
         if closure is not None:
             for _ in range(self._closure_runs()):
@@ -45,7 +49,7 @@ class OptimizerMirror(torch.optim.Optimizer):
     def update_hyperparameters(self, param_groups: list[dict[str, Any]]) -> None:
         """Take the worker's current hyperparameters (learning rate, momentum...), and its new
         param groups (``BaseFinetuning`` adds one when it unfreezes a backbone)."""
-        for group, values in zip(self.param_groups, param_groups):
+        for group, values in zip(self.param_groups, param_groups, strict=False):
             group.update(values)
         for values in param_groups[len(self.param_groups) :]:
             self.add_param_group({**values, "params": [_placeholder()]})
@@ -58,20 +62,24 @@ def _placeholder() -> torch.Tensor:
     return parameter
 
 
-class _SchedulerState:
-    """A scheduler mirror's link to the worker scheduler's state, for checkpoints."""
+class _SchedulerState(LRScheduler):
+    """A scheduler mirror's link to the worker scheduler's state, for checkpoints. Its ``__init__``
+    does not call ``LRScheduler``'s: a mirror steps nothing."""
 
     def __init__(self, optimizer: OptimizerMirror, index: int, state: StateSource) -> None:
         self.optimizer = optimizer
         self._index = index
         self._state = state
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return self._state().lr_schedulers[self._index]
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The workers load scheduler state themselves; the mirror has none to load."""
 
+    @override
     def step(self, *args: Any, **kwargs: Any) -> None:
         """The workers step their schedulers in ``lr_scheduler_step``; the mirror follows their lr."""
 
@@ -97,9 +105,11 @@ class GradScalerMirror(torch.amp.GradScaler):
         super().__init__("cuda", enabled=False)
         self._state = state
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return self._state().precision
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The workers load their scaler's state themselves."""
 
@@ -193,44 +203,23 @@ def plan_loaders(description: Any, stage: str, loaders: WorkerLoaders) -> Any:
 
 
 def optimizer_mirrors(description: Any, closure_runs: Callable[[], int], state: StateSource) -> Any:
-    """Mirror a ``configure_optimizers`` result described by the workers, keeping its shape."""
+    """Mirror a ``configure_optimizers`` result described by the workers (``worker.describe``),
+    keeping its shape: every optimizer first, since a scheduler may come before its optimizer."""
+    refs, spec = tree_flatten(description)
     optimizers: dict[int, OptimizerMirror] = {}
-    schedulers: list[Any] = []
-
-    def optimizer(ref: OptimizerRef) -> OptimizerMirror:
-        if ref.index not in optimizers:
+    for ref in refs:
+        if isinstance(ref, OptimizerRef) and ref.index not in optimizers:
             cls = type(ref.class_name, (OptimizerMirror,), {"__module__": __name__})
             optimizers[ref.index] = cls(ref, closure_runs)
-        return optimizers[ref.index]
+    schedulers: list[_SchedulerState] = []
 
-    def scheduler(ref: SchedulerRef) -> Any:
-        cls = PlateauMirror if ref.reduce_on_plateau else SchedulerMirror
-        mirror = cls(optimizers[ref.optimizer_index], len(schedulers), state)
-        schedulers.append(mirror)
-        return mirror
+    def mirror(ref: Any) -> Any:
+        if isinstance(ref, OptimizerRef):
+            return optimizers[ref.index]
+        if isinstance(ref, SchedulerRef):
+            cls = PlateauMirror if ref.reduce_on_plateau else SchedulerMirror
+            schedulers.append(cls(optimizers[ref.optimizer_index], len(schedulers), state))
+            return schedulers[-1]
+        return ref
 
-    def mirror(item: Any) -> Any:
-        if isinstance(item, OptimizerRef):
-            return optimizer(item)
-        if isinstance(item, SchedulerRef):
-            return scheduler(item)
-        if isinstance(item, dict):
-            return {key: mirror(value) for key, value in item.items()}
-        if isinstance(item, (list, tuple)):
-            return type(item)(mirror(value) for value in item)
-        return item
-
-    for ref in _optimizer_refs(description):
-        optimizer(ref)
-    return mirror(description)
-
-
-def _optimizer_refs(item: Any) -> Iterator[OptimizerRef]:
-    if isinstance(item, OptimizerRef):
-        yield item
-    elif isinstance(item, dict):
-        for value in item.values():
-            yield from _optimizer_refs(value)
-    elif isinstance(item, (list, tuple)):
-        for value in item:
-            yield from _optimizer_refs(value)
+    return tree_unflatten([mirror(ref) for ref in refs], spec)

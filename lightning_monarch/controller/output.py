@@ -15,8 +15,10 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from monarch._rust_bindings.monarch_hyperactor.config import configure
 from monarch.actor import ProcMesh
+from monarch.config import configure
+
+from lightning_monarch._compat import monarch as monarch_compat
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class WorkerOutput:
             # The forwarders take the new mode in a message that nothing waits for: a line printed
             # before it arrives is never shown. A flush goes to them after it, so once it returns
             # they stream every line from the first one the workers print.
-            await procs._logging_manager.flush_async()
+            await monarch_compat.flush_forwarded_output(procs)
 
         def run() -> None:
             try:

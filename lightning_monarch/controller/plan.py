@@ -23,7 +23,8 @@ metric views there, and it must not change what the workers would act on.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, TypeVar
+from collections.abc import Iterable
+from typing import Any, Optional, TypeVar, cast
 
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.callbacks import (
@@ -38,7 +39,8 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_monarch import _compat
+from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch.controller.stats import MeshStatsMonitor
 from lightning_monarch.protocol import (
     CALLBACK_HOOKS,
     SNAPSHOT_GATE,
@@ -96,7 +98,9 @@ def observe_only(callback: C) -> C:
 
 def is_observe_only(callback: Callback) -> bool:
     """Whether ``callback`` never makes the workers wait (declared, or a built-in that only observes)."""
-    return getattr(callback, _OBSERVE_ONLY, False) or isinstance(callback, (ProgressBar, LearningRateMonitor, ModelSummary))
+    return getattr(callback, _OBSERVE_ONLY, False) or isinstance(
+        callback, (ProgressBar, LearningRateMonitor, ModelSummary)
+    )
 
 
 def _overridden(callback: Callback) -> list[str]:
@@ -113,8 +117,6 @@ def _gate(callback: Callback, hook: str) -> str:
 
 def sync_rules(callback: Callback) -> dict[str, SyncRule]:
     """Where ``callback`` acts on the workers: the gates it must find them parked at, and when."""
-    from lightning_monarch.controller.stats import MeshStatsMonitor  # imports this module's users
-
     if is_observe_only(callback):
         return {}
     if isinstance(callback, ModelCheckpoint):
@@ -124,8 +126,10 @@ def sync_rules(callback: Callback) -> dict[str, SyncRule]:
     if isinstance(callback, GradientAccumulationScheduler):
         return {_gate(callback, "on_train_epoch_start"): Always()}
     if isinstance(callback, MeshStatsMonitor):
-        return {_gate(callback, "on_train_start"): Always(),
-                _gate(callback, "on_train_batch_end"): EveryNTrainSteps(callback.logging_interval)}
+        return {
+            _gate(callback, "on_train_start"): Always(),
+            _gate(callback, "on_train_batch_end"): EveryNTrainSteps(callback.logging_interval),
+        }
     return {_gate(callback, hook): Always() for hook in _overridden(callback)}
 
 
@@ -133,9 +137,11 @@ def _saves(callback: ModelCheckpoint) -> dict[str, SyncRule]:
     """Where ``callback`` may save: train batch ends (every ``every_n_train_steps`` steps, or every
     batch with ``train_time_interval``), train epoch ends, validation ends, and the train end with
     ``save_last``."""
-    every, time_interval = _compat.checkpoint_schedule(callback)
-    rules: dict[str, SyncRule] = {_gate(callback, "on_train_epoch_end"): Always(),
-                                  _gate(callback, "on_validation_end"): Always()}
+    every, time_interval = lightning_compat.checkpoint_schedule(callback)
+    rules: dict[str, SyncRule] = {
+        _gate(callback, "on_train_epoch_end"): Always(),
+        _gate(callback, "on_validation_end"): Always(),
+    }
     if time_interval is not None:
         rules[_gate(callback, "on_train_batch_end")] = Always()
     elif every:
@@ -150,7 +156,11 @@ def saves_from_entries(callback: Callback) -> bool:
     state and metric views where it saves, so that the entries there carry them and the workers do
     not wait (R6): it monitors no metric (whose decision every rank takes part in) and saves on a
     schedule of steps or epochs, not of time (which would copy the state at every batch)."""
-    return isinstance(callback, ModelCheckpoint) and callback.monitor is None and _compat.checkpoint_schedule(callback)[1] is None
+    return (
+        isinstance(callback, ModelCheckpoint)
+        and callback.monitor is None
+        and lightning_compat.checkpoint_schedule(callback)[1] is None
+    )
 
 
 def states_can_travel(module: LightningModule, worker_callbacks: Iterable[Callback], sharded: bool) -> bool:
@@ -164,11 +174,17 @@ def saves_on_workers(module: LightningModule, worker_callbacks: Iterable[Callbac
     """Whether writing a checkpoint runs a hook on the workers' rank 0: the module's or a worker
     callback's ``on_save_checkpoint``."""
     return is_overridden("on_save_checkpoint", module, LightningModule) or any(
-        is_overridden("on_save_checkpoint", callback, Callback) for callback in worker_callbacks)
+        is_overridden("on_save_checkpoint", callback, Callback) for callback in worker_callbacks
+    )
 
 
-def make_plan(callbacks: Iterable[Callback], max_ahead: Optional[int], snapshot_every_n_epochs: Optional[int],
-              plateau_intervals: Iterable[str] = (), states_travel: bool = False) -> RunAhead:
+def make_plan(
+    callbacks: Iterable[Callback],
+    max_ahead: Optional[int],
+    snapshot_every_n_epochs: Optional[int],
+    plateau_intervals: Iterable[str] = (),
+    states_travel: bool = False,
+) -> RunAhead:
     """The run-ahead plan for a stage whose controller runs ``callbacks``: ``max_ahead`` as given
     (``MonarchStrategy(max_ahead=...)``), a sync gate at every snapshot with restarts
     (``snapshot_every_n_epochs``), the metric views where Lightning's own loop reads them for
@@ -183,7 +199,8 @@ def make_plan(callbacks: Iterable[Callback], max_ahead: Optional[int], snapshot_
         rules.setdefault(SNAPSHOT_GATE, []).append(SnapshotEpochs(snapshot_every_n_epochs))
     for callback in callbacks:
         staged = states_travel and saves_from_entries(callback)
-        for gate, rule in (_saves(callback) if staged else sync_rules(callback)).items():
+        # ``saves_from_entries`` holds only for a ``ModelCheckpoint``
+        for gate, rule in (_saves(cast(ModelCheckpoint, callback)) if staged else sync_rules(callback)).items():
             (states if staged else rules).setdefault(gate, []).append(rule)
         overridden = _overridden(callback)
         if is_observe_only(callback):

@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_monarch._compat.torch import tree_flatten, tree_unflatten
 from lightning_monarch.protocol import PredictionShard
 
 
@@ -52,7 +52,9 @@ def _split_samples(shards: list[PredictionShard]) -> Optional[list[tuple[int, li
     for shard in shards:
         leaves, spec = tree_flatten(shard.output)
         count = len(shard.batch_indices)
-        if not count or not all(isinstance(leaf, torch.Tensor) and leaf.dim() and len(leaf) == count for leaf in leaves):
+        if not count or not all(
+            isinstance(leaf, torch.Tensor) and leaf.dim() and len(leaf) == count for leaf in leaves
+        ):
             return None
         for row, index in enumerate(shard.batch_indices):
             samples.append((index, [leaf[row : row + 1] for leaf in leaves], spec))
@@ -60,5 +62,5 @@ def _split_samples(shards: list[PredictionShard]) -> Optional[list[tuple[int, li
 
 
 def _stack(samples: list[tuple[int, list[torch.Tensor], Any]]) -> Any:
-    columns = zip(*(leaves for _, leaves, _ in samples))
+    columns = zip(*(leaves for _, leaves, _ in samples), strict=True)
     return tree_unflatten([torch.cat(column) for column in columns], samples[0][2])

@@ -16,15 +16,16 @@ the callback, the hook and what it read or changed (R6).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_monarch import _compat
+from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.callbacks import check_controller_callbacks
 from lightning_monarch.controller.channel import StageChannel
 from lightning_monarch.controller.metrics import MetricOrigins, mirror_metrics
@@ -62,14 +63,23 @@ _BASES = {"module": LightningModule, "datamodule": LightningDataModule}
 class StageSession:
     """Runs on the controller: one stage, its loop following the workers' entries."""
 
-    def __init__(self, trainer: Trainer, channel: StageChannel, module: LightningModule,
-                 datamodule: Optional[LightningDataModule], worker_callbacks: list[Callback], plan: RunAhead,
-                 snapshot_every_n_epochs: Optional[int] = None, sharded: bool = False) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        channel: StageChannel,
+        module: LightningModule,
+        datamodule: Optional[LightningDataModule],
+        worker_callbacks: list[Callback],
+        plan: RunAhead,
+        snapshot_every_n_epochs: Optional[int] = None,
+        sharded: bool = False,
+    ) -> None:
         self._trainer = trainer
         self._channel = channel
-        #: Whether the workers shard the module (``parallelism="fsdp"``): its weights never come here.
+        #: Whether the workers shard the module (``MonarchFSDPStrategy``): its weights never come here.
         self._sharded = sharded
         self._worker_callbacks = worker_callbacks
+        self._module = module
         self._objects = {"module": module, "datamodule": datamodule}
         self._gate_callback = GateCallback(self.around)
         self._plan = plan
@@ -89,6 +99,8 @@ class StageSession:
         # makes a worker build its train dataloader early).
         self._ahead: dict[str, deque[Any]] = {}
         self._eval_outputs: deque[dict[str, Any]] = deque()
+        #: The last entry whose arrival fields were taken.
+        self._arrived: Optional[Entry] = None
         #: Rank 0's checkpoint state and the entry it belongs to (R5, R6).
         self._state: Optional[tuple[Optional[Entry], CheckpointState]] = None
         #: The controller callback whose hook runs now, and those that ran since the last gate.
@@ -104,21 +116,23 @@ class StageSession:
         self.final_state: Optional[CheckpointState] = None
 
     @contextmanager
-    def installed(self) -> Iterator["StageSession"]:
+    def installed(self) -> Iterator[StageSession]:
         """Gates, the metrics mirror, the gate callback and the callback wrappers for the stage."""
-        module, datamodule = self._objects["module"], self._objects["datamodule"]
+        module, datamodule = self._module, self._objects["datamodule"]
         self._undo = [install_hook_gates(module, "module", MODULE_HOOKS, self.around)]
         if datamodule is not None:
             self._undo.append(install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, self.around))
         if saves_on_workers(module, self._worker_callbacks):
-            self._undo.append(install_hook_gates(module, "checkpoint", ["on_save_checkpoint"], self._on_save_checkpoint))
+            self._undo.append(
+                install_hook_gates(module, "checkpoint", ["on_save_checkpoint"], self._on_save_checkpoint)
+            )
         self._undo.append(mirror_metrics(self._trainer, self))
-        self._attribute(self._trainer.callbacks)
-        self._trainer.callbacks.insert(0, self._gate_callback)
+        self._attribute(self._trainer.callbacks)  # type: ignore[attr-defined]
+        self._trainer.callbacks.insert(0, self._gate_callback)  # type: ignore[attr-defined]
         try:
             yield self
         finally:
-            self._trainer.callbacks.remove(self._gate_callback)
+            self._trainer.callbacks.remove(self._gate_callback)  # type: ignore[attr-defined]
             for step in reversed(self._undo):
                 step()
 
@@ -189,13 +203,18 @@ class StageSession:
         current = self._current
         if current is None:
             return
-        changes = {name: value for name, value in control_state(self._trainer).items() if self._control.get(name) != value}
+        changes = {
+            name: value for name, value in control_state(self._trainer).items() if self._control.get(name) != value
+        }
         if not self._released:
             self._channel.release(Release(changes, self._grown_plan() if current.gate in PLAN_GATES else None))
             self._released = True
             self._control.update(changes)
         elif changes:
-            ran = ", ".join(f"`{type(callback).__name__}.{hook}`" for callback, hook in self._ran) or "code on the controller"
+            ran = (
+                ", ".join(f"`{type(callback).__name__}.{hook}`" for callback, hook in self._ran)
+                or "code on the controller"
+            )
             raise DivergenceError(
                 f"{ran} changed {', '.join(f'`trainer.{name}`' for name in changes)} where the workers do not wait"
                 f" for the controller under strategy='monarch' (after `{current.gate}`), so they already went on"
@@ -233,16 +252,20 @@ class StageSession:
             fetched = self._channel.fetch()
             idle = 0 if fetched else idle + 1
             if idle > 2:
-                raise DivergenceError("The workers wait for the controller, which waits for them: a bug in lightning_monarch."
-                                      f" (after {self._current.gate if self._current else None}, released={self._released})")
+                raise DivergenceError(
+                    "The workers wait for the controller, which waits for them: a bug in lightning_monarch."
+                    f" (after {self._current.gate if self._current else None}, released={self._released})"
+                )
             self._entries.extend(fetched)
         entry = self._entries[0]
         if entry.gate is None:
             if entry.failure is not None:
                 raise WorkerError(entry.failure)
             if self._ended is None:
-                raise DivergenceError("The workers' rank 0 finished the stage where the controller's loop goes on: the two"
-                                      " Lightning loops diverged.")
+                raise DivergenceError(
+                    "The workers' rank 0 finished the stage where the controller's loop goes on: the two"
+                    " Lightning loops diverged."
+                )
         return entry
 
     def _grant_step(self) -> int:
@@ -260,22 +283,27 @@ class StageSession:
             setattr(trainer, name, value)
         for call in entry.logger_calls:
             logger = trainer.loggers[call.logger_index]
-            target = logger.experiment if call.method.startswith("experiment.") else logger
+            if call.method.startswith("experiment."):
+                target = logger.experiment  # type: ignore[attr-defined]
+            else:
+                target = logger
             getattr(target, call.method.rsplit(".", 1)[-1])(*call.args, **call.kwargs)
             if call.method == "log_metrics":
                 logger.save()
-        for mirror, groups in zip(trainer.optimizers, entry.param_groups or ()):
+        for mirror, groups in zip(trainer.optimizers, entry.param_groups or (), strict=False):
             if isinstance(mirror, OptimizerMirror):  # not Lightning's stand-in when there is no optimizer
                 mirror.update_hyperparameters(groups)
         if entry.manual_steps is not None:
-            _compat.manual_step_progress(trainer).load_state_dict(entry.manual_steps)
+            lightning_compat.manual_step_progress(trainer).load_state_dict(entry.manual_steps)
         self._views = entry.views
         self._arrive(entry)
 
     def _arrive(self, entry: Entry) -> None:
-        """Take what a worker read when it reached ``entry``'s gate (``Entry``'s arrival fields)."""
-        self._eval_outputs.extend(entry.eval_outputs)
-        entry.eval_outputs = []
+        """Take what a worker read when it reached ``entry``'s gate (``Entry``'s arrival fields): its
+        evaluation results once, though a peek and the gate's own take may both arrive there."""
+        if entry is not self._arrived:
+            self._arrived = entry
+            self._eval_outputs.extend(entry.eval_outputs)
         self.loaders.update(entry.loader_lengths, entry.fetched_batches)
 
     def peek(self) -> None:
@@ -319,11 +347,16 @@ class StageSession:
     def _grown_plan(self) -> Optional[RunAhead]:
         """The plan with the callbacks ``configure_callbacks`` added and the ``ReduceLROnPlateau``
         schedulers ``configure_optimizers`` returned; ``None`` if it did not change."""
-        self._attribute(self._trainer.callbacks)
-        callbacks = [callback for callback in self._trainer.callbacks if callback is not self._gate_callback]
-        plan = make_plan(callbacks, self._plan.max_ahead, self._snapshot_every,
-                         plateau_intervals(self._trainer.lr_scheduler_configs),
-                         states_can_travel(self._objects["module"], self._worker_callbacks, self._sharded))
+        trainer_callbacks = self._trainer.callbacks  # type: ignore[attr-defined]
+        self._attribute(trainer_callbacks)
+        callbacks = [callback for callback in trainer_callbacks if callback is not self._gate_callback]
+        plan = make_plan(
+            callbacks,
+            self._plan.max_ahead,
+            self._snapshot_every,
+            plateau_intervals(self._trainer.lr_scheduler_configs),
+            states_can_travel(self._module, self._worker_callbacks, self._sharded),
+        )
         if plan == self._plan:
             return None
         self._plan = plan
@@ -339,14 +372,20 @@ class StageSession:
         if self.parked or self._ended is not None:
             return
         gate = self._current.gate if self._current is not None else "the start of the stage"
-        who = (f"`{type(self._calling[0]).__name__}.{self._calling[1]}`" if self._calling is not None
-               else "The controller's loop")
+        who = (
+            f"`{type(self._calling[0]).__name__}.{self._calling[1]}`"
+            if self._calling is not None
+            else "The controller's loop"
+        )
         raise DivergenceError(
             f"{who} reads {what} after `{gate}`, where the workers do not wait for the controller under"
             " strategy='monarch': they have already moved on, and what they hold now belongs to a later batch."
-            + (" An observe-only callback (`lightning_monarch.observe_only`) may read only the metric views its"
-               " hooks are given; remove the declaration to make the workers wait at its hooks."
-               if self._calling is not None and is_observe_only(self._calling[0]) else "")
+            + (
+                " An observe-only callback (`lightning_monarch.observe_only`) may read only the metric views its"
+                " hooks are given; remove the declaration to make the workers wait at its hooks."
+                if self._calling is not None and is_observe_only(self._calling[0])
+                else ""
+            )
         )
 
     # ----- out-of-band requests (R5) ---------------------------------------------------------
@@ -425,14 +464,16 @@ class StageSession:
         self._ended = Entry(None)  # from here the controller's loop expects no gate
         entry = self._next()
         if entry.gate is not None:
-            raise DivergenceError(f"The workers' rank 0 recorded `{entry.gate}` after the controller's loop ended"
-                                  " the stage: the two Lightning loops diverged.")
+            raise DivergenceError(
+                f"The workers' rank 0 recorded `{entry.gate}` after the controller's loop ended"
+                " the stage: the two Lightning loops diverged."
+            )
         self._apply(entry)
         self._current, self._views = None, None
         self._channel.close()
         for view in METRIC_VIEWS:
             getattr(self._trainer, view)
-        module = self._objects["module"]
+        module = self._module
         attributes = self._channel.ask_rank0("module_attributes")
         vars(module).update(attributes.values)
         if attributes.dropped:

@@ -15,7 +15,9 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
 
+from lightning_monarch.controller import arguments
 from lightning_monarch.protocol import RankStats
 
 
@@ -95,31 +97,47 @@ class MeshStatsMonitor(Callback):
         trainer = L.Trainer(strategy="monarch", devices=8, callbacks=[MeshStatsMonitor(logging_interval=50)])
     """
 
-    def __init__(self, logging_interval: int = 50, straggler_factor: float = 1.5, straggler_intervals: int = 3,
-                 memory_bound_percent: float = 80.0) -> None:
-        if not _is_count(logging_interval):
-            raise ValueError(
-                f"`MeshStatsMonitor(logging_interval={logging_interval!r})`: give a whole number of training steps"
-                " >= 1, e.g. `MeshStatsMonitor(logging_interval=50)`."
-            )
-        if isinstance(straggler_factor, bool) or not isinstance(straggler_factor, (int, float)) or straggler_factor <= 1:
-            raise ValueError(
-                f"`MeshStatsMonitor(straggler_factor={straggler_factor!r})`: give a number > 1, how many times"
-                " slower than the median of the other ranks a straggler is, e.g. `straggler_factor=1.5`."
-            )
-        if not _is_count(straggler_intervals):
-            raise ValueError(
-                f"`MeshStatsMonitor(straggler_intervals={straggler_intervals!r})`: give a whole number >= 1 of"
-                " logging intervals in a row, e.g. `straggler_intervals=3`."
-            )
-        if isinstance(memory_bound_percent, bool) or not isinstance(memory_bound_percent, (int, float)) or not (
-            0 < memory_bound_percent <= 100
-        ):
-            raise ValueError(
-                f"`MeshStatsMonitor(memory_bound_percent={memory_bound_percent!r})`: give the memory-controller busy"
-                " percent from which a rank counts as memory-bound, a number in (0, 100], e.g."
-                " `memory_bound_percent=80`."
-            )
+    def __init__(
+        self,
+        logging_interval: int = 50,
+        straggler_factor: float = 1.5,
+        straggler_intervals: int = 3,
+        memory_bound_percent: float = 80.0,
+    ) -> None:
+        owner = "MeshStatsMonitor"
+        arguments.whole_number(
+            owner,
+            "logging_interval",
+            logging_interval,
+            1,
+            of="training steps",
+            meaning=", e.g. `MeshStatsMonitor(logging_interval=50)`",
+        )
+        arguments.number(
+            owner,
+            "straggler_factor",
+            straggler_factor,
+            above=1,
+            meaning=", how many times slower than the median of the other ranks a straggler is,"
+            " e.g. `straggler_factor=1.5`",
+        )
+        arguments.whole_number(
+            owner,
+            "straggler_intervals",
+            straggler_intervals,
+            1,
+            of="logging intervals in a row",
+            meaning=", e.g. `straggler_intervals=3`",
+        )
+        arguments.number(
+            owner,
+            "memory_bound_percent",
+            memory_bound_percent,
+            above=0,
+            at_most=100,
+            of="memory-controller busy percent",
+            meaning=" from which a rank counts as memory-bound, e.g. `memory_bound_percent=80`",
+        )
         self.logging_interval = logging_interval
         self.straggler_factor = float(straggler_factor)
         self.straggler_intervals = straggler_intervals
@@ -128,11 +146,9 @@ class MeshStatsMonitor(Callback):
         self._memory_bound = StreakWatch(straggler_intervals)
         self._interval = 0
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        # imported here: the strategy's callback rules (``controller.callbacks``) import this module
-        from lightning_monarch.strategy import MonarchStrategy
-
-        if not isinstance(trainer.strategy, MonarchStrategy):
+        if not callable(getattr(trainer.strategy, "read_worker_stats", None)):  # a MonarchStrategy's reader
             raise MisconfigurationException(
                 f"`MeshStatsMonitor` reads the workers of `Trainer(strategy='monarch')` from its controller, and this"
                 f" Trainer's strategy is `{type(trainer.strategy).__name__}`. Under other strategies use Lightning's"
@@ -145,6 +161,7 @@ class MeshStatsMonitor(Callback):
                 " `Trainer(logger=CSVLogger('logs'))`, or remove the callback."
             )
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stragglers = StragglerWatch(self.straggler_factor, self.straggler_intervals)
         self._memory_bound = StreakWatch(self.straggler_intervals)
@@ -152,6 +169,7 @@ class MeshStatsMonitor(Callback):
         # the first read starts each worker's step timer; its values are the baseline, not logged
         _read(trainer)
 
+    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -175,8 +193,11 @@ class MeshStatsMonitor(Callback):
         bound = {rank.rank for rank in stats if memory_bound(rank.values, self.memory_bound_percent)}
         for rank in self._memory_bound.update({rank.rank for rank in stats}, bound):
             values = next(entry.values for entry in stats if entry.rank == rank)
-            bandwidth = (f", about {values['memory_bandwidth_gbps']:.0f} of {values['memory_bandwidth_peak_gbps']:.0f}"
-                         " GB/s" if "memory_bandwidth_gbps" in values else "")
+            bandwidth = (
+                f", about {values['memory_bandwidth_gbps']:.0f} of {values['memory_bandwidth_peak_gbps']:.0f} GB/s"
+                if "memory_bandwidth_gbps" in values
+                else ""
+            )
             rank_zero_warn(
                 f"MeshStatsMonitor: worker rank {rank} is memory-bound: its memory controller has been busy at least"
                 f" {self.memory_bound_percent:g}% of the time with compute utilization below half of that, for"
@@ -245,7 +266,3 @@ def warn_missing_tools(stats: list[RankStats]) -> None:
             ranks_by_reason.setdefault(rank.missing, []).append(rank.rank)
     for reason, ranks in ranks_by_reason.items():
         rank_zero_warn(f"MeshStatsMonitor, worker ranks {ranks}: {reason}")
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -36,7 +36,7 @@ class ProcessWatch:
         """Kill the watched processes that still live (``psutil`` checks a process ID was not
         reused since)."""
         for process in self._processes.values():
-            if _alive(process):
+            if process is not None and _alive(process):
                 with contextlib.suppress(psutil.NoSuchProcess):
                     process.kill()
 

@@ -1,2 +1,3 @@
-"""Code that runs in the Monarch worker processes, one per device. Never imported by the controller
-except for :class:`~lightning_monarch.worker.actor.MonarchWorker`, the actor class it spawns."""
+"""Code that runs in the Monarch worker processes, one per device. It imports only the package's
+shared modules and this package (``tests/test_layout.py``); the controller imports from it only
+what it hands to Monarch: the actor class and the process bootstrap."""

@@ -13,9 +13,11 @@ import gc
 import io
 import os
 import socket
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 import torch
+from lightning.pytorch import LightningModule
 from monarch.actor import Actor, endpoint
 
 from lightning_monarch.protocol import (
@@ -46,7 +48,7 @@ class MonarchWorker(Actor):
     def __init__(self) -> None:
         self._stage: Optional[StageLoop] = None
         #: The last stage's module if it was sharded: its shards exist nowhere else.
-        self._shards: Optional[torch.nn.Module] = None
+        self._shards: Optional[LightningModule] = None
         self._stats = RankStatsReader()
 
     @property
@@ -73,7 +75,7 @@ class MonarchWorker(Actor):
         ``full_state_dict``)."""
         if self._stage is not None:
             self._stage.join(timeout=5.0)
-            module = self._stage.reader.module  # None if the stage never ran
+            module = self._stage.state.module  # None if the stage never ran
             self._shards = module if module is not None and is_sharded(module) else None
         self._stage = None
         gc.collect()
@@ -130,29 +132,29 @@ class MonarchWorker(Actor):
     @endpoint
     def read_metrics(self, view: str) -> Union[Optional[dict[str, Any]], WorkerFailure]:
         """Read ``trainer.<view>`` where the loop is parked (all ranks; rank 0's value returns)."""
-        return self._out_of_band(lambda reader: reader.read_metrics(view), f"trainer.{view}")
+        return self._out_of_band(lambda state: state.read_metrics(view), f"trainer.{view}")
 
     @endpoint
     def collective(self, kind: str, view: str, key: str, options: dict[str, Any]) -> Any:
         """Run a collective on this rank's own ``trainer.<view>[key]`` where the loop is parked (all
         ranks; rank 0's result returns): the controller's callback passed rank 0's value of it."""
-        return self._out_of_band(lambda reader: reader.collective(kind, view, key, options), f"trainer.strategy.{kind}")
+        return self._out_of_band(lambda state: state.collective(kind, view, key, options), f"trainer.strategy.{kind}")
 
     @endpoint
     def metric(self, view: str, key: str) -> Union[RankValue, WorkerFailure]:
         """This rank's ``trainer.<view>[key]`` where the loop is parked."""
-        return self._out_of_band(lambda reader: reader.metric(view, key), f"trainer.{view}[{key!r}]")
+        return self._out_of_band(lambda state: state.metric(view, key), f"trainer.{view}[{key!r}]")
 
     @endpoint
     def snapshot(self, directory: Optional[str]) -> Union[RankSnapshot, WorkerFailure]:
         """This rank's part of a recovery snapshot, where the loop is parked; for a sharded module,
         its shards are written into ``directory``."""
-        return self._out_of_band(lambda reader: reader.snapshot(directory), "snapshot")
+        return self._out_of_band(lambda state: state.snapshot(directory), "snapshot")
 
     @endpoint
     def checkpoint_state(self) -> Union[CheckpointState, WorkerFailure]:
         """This rank's model, optimizer and LR-scheduler state where the loop is parked."""
-        return self._out_of_band(lambda reader: reader.checkpoint_state(), "checkpoint state")
+        return self._out_of_band(lambda state: state.checkpoint_state(), "checkpoint state")
 
     @endpoint
     def full_state_dict(self) -> Union[Optional[dict[str, Any]], WorkerFailure]:
@@ -168,7 +170,7 @@ class MonarchWorker(Actor):
         stage from the shards this worker kept."""
         return self._on_shards(lambda module: save_shards(module, path, optimizers), "sharded checkpoint")
 
-    def _on_shards(self, fn: Callable[[torch.nn.Module], Any], what: str) -> Any:
+    def _on_shards(self, fn: Callable[[LightningModule], Any], what: str) -> Any:
         """Run ``fn`` on the sharded module: the running stage's, where its loop is parked, or
         the one this worker kept after a sharded stage."""
         if self._stage is None and self._shards is not None:
@@ -177,34 +179,34 @@ class MonarchWorker(Actor):
                 return fn(shards)
             except BaseException as error:
                 return self._failure(error, what)
-        return self._out_of_band(lambda reader: fn(reader.module), what)
+        return self._out_of_band(lambda state: fn(state.module), what)
 
     @endpoint
     def module_attributes(self) -> Union[ModuleAttributes, WorkerFailure]:
-        """The public Python attributes of this rank's module (see ``StateReader``)."""
-        return self._out_of_band(lambda reader: reader.module_attributes(), "module attributes")
+        """The public Python attributes of this rank's module (see ``RankState.module_attributes``)."""
+        return self._out_of_band(lambda state: state.module_attributes(), "module attributes")
 
     @endpoint
     def module_children(self) -> Union[dict[str, Any], WorkerFailure]:
-        """The direct submodules of this rank's module (see ``StateReader``)."""
-        return self._out_of_band(lambda reader: reader.module_children(), "module children")
+        """The direct submodules of this rank's module (see ``RankState.module_children``)."""
+        return self._out_of_band(lambda state: state.module_children(), "module children")
 
     @endpoint
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> Union[dict[str, Any], WorkerFailure]:
         """Let rank 0's worker callbacks and module add to the checkpoint the controller is writing."""
-        return self._out_of_band(lambda reader: reader.on_save_checkpoint(checkpoint), "on_save_checkpoint")
+        return self._out_of_band(lambda state: state.on_save_checkpoint(checkpoint), "on_save_checkpoint")
 
     @endpoint
     def read_stats(self) -> Union[RankStats, WorkerFailure]:
         """This rank's device, process and step-time stats where the loop is parked (``worker.stats``)."""
-        return self._out_of_band(lambda reader: self._stats.read(self._rank, reader.module.trainer), "stats")
+        return self._out_of_band(lambda state: self._stats.read(self._rank, state.module.trainer), "stats")
 
     def _out_of_band(self, fn: Callable[[Any], Any], what: str) -> Any:
         stage = self._stage
         if stage is None:
             return self._failure(RuntimeError("No stage has run on this worker."), what)
         try:
-            return stage.out_of_band(lambda: fn(stage.reader))
+            return stage.out_of_band(lambda: fn(stage.state))
         except BaseException as error:
             return self._failure(error, what)
 

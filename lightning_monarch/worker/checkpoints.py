@@ -1,4 +1,4 @@
-"""Each rank's part of a sharded checkpoint under ``MonarchStrategy(parallelism="fsdp")``.
+"""Each rank's part of a sharded checkpoint under ``MonarchFSDPStrategy``.
 
 Runs in each worker process. Every rank writes its own shards, in parallel, in PyTorch's
 distributed checkpoint format (``torch.distributed.checkpoint``, DCP), with the keys of Lightning's
@@ -30,9 +30,13 @@ def save_shards(module: LightningModule, path: str, optimizers: bool) -> Optiona
     Rank 0 returns its worker callbacks' state, which the controller adds to the checkpoint's
     metadata; the other ranks ``None``."""
     trainer = module.trainer
-    state = {"state_dict": get_model_state_dict(module, options=_SHARDED)}
+    state: dict[str, Any] = {"state_dict": get_model_state_dict(module, options=_SHARDED)}
     if optimizers:
-        state.update({f"optimizer_{index}": get_optimizer_state_dict(module, optimizer, options=_SHARDED)
-                      for index, optimizer in enumerate(trainer.optimizers)})
+        state.update(
+            {
+                f"optimizer_{index}": get_optimizer_state_dict(module, optimizer, options=_SHARDED)
+                for index, optimizer in enumerate(trainer.optimizers)
+            }
+        )
     dcp.save(state, checkpoint_id=path)
     return callback_states(trainer) if torch.distributed.get_rank() == 0 else None

@@ -15,8 +15,9 @@ from lightning.pytorch import Trainer
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.optim import Optimizer
 
+from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch._compat.torch import tree_map
 from lightning_monarch.protocol import GATES, OMITTED, LoaderRef, OptimizerRef, PredictionShard, RunAhead, SchedulerRef
-from lightning_monarch import _compat
 
 
 def to_cpu(value: Any) -> Any:
@@ -49,7 +50,7 @@ def describe_result(gate: str, result: Any, trainer: Trainer, args: tuple, plan:
         dataloader_idx = args[2] if len(args) > 2 else 0
         return PredictionShard(
             output=to_cpu(result),
-            batch_indices=_compat.predict_batch_indices(trainer, batch_idx, dataloader_idx),
+            batch_indices=lightning_compat.predict_batch_indices(trainer, batch_idx, dataloader_idx),
             dataloader_idx=dataloader_idx,
         )
     if kind == "optimizers":
@@ -68,6 +69,8 @@ def worker_side_result(gate: str, result: Any) -> Any:
 
 
 def _describe_optimizers(value: Any) -> Any:
+    """The same tree as a ``configure_optimizers`` result with each optimizer and LR scheduler
+    described; optimizers are numbered in the order they first appear, scheduler or not."""
     optimizers: dict[int, int] = {}
 
     def optimizer_index(optimizer: Optimizer) -> int:
@@ -81,19 +84,14 @@ def _describe_optimizers(value: Any) -> Any:
                 param_groups=param_group_hyperparameters(item),
                 single_closure=_calls_closure_once(item),
             )
-        if isinstance(item, _compat.LR_SCHEDULER_TYPES):
+        if isinstance(item, lightning_compat.LR_SCHEDULER_TYPES):
             return SchedulerRef(
-                class_name=type(item).__name__,
                 optimizer_index=optimizer_index(item.optimizer),
                 reduce_on_plateau=isinstance(item, torch.optim.lr_scheduler.ReduceLROnPlateau),
             )
-        if isinstance(item, dict):
-            return {key: describe(sub) for key, sub in item.items()}
-        if isinstance(item, (list, tuple)):
-            return type(item)(describe(sub) for sub in item)
         return item
 
-    return describe(value)
+    return tree_map(describe, value)
 
 
 def _calls_closure_once(optimizer: Optimizer) -> bool:

@@ -10,11 +10,13 @@ logger, so ``self.loggers`` has the same length as under DDP.
 from __future__ import annotations
 
 from argparse import Namespace
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
 
 from lightning_monarch.protocol import LoggerCall, LoggerIdentity
 from lightning_monarch.worker.describe import to_cpu
@@ -46,18 +48,22 @@ class RecordingLogger(Logger):
         self._sink = sink
 
     @property
+    @override
     def name(self) -> Optional[str]:
         return self._identity.name
 
     @property
+    @override
     def version(self) -> Any:
         return self._identity.version
 
     @property
+    @override
     def save_dir(self) -> Optional[str]:
         return self._identity.save_dir
 
     @property
+    @override
     def log_dir(self) -> Optional[str]:
         return self._identity.log_dir
 
@@ -66,10 +72,12 @@ class RecordingLogger(Logger):
     def experiment(self) -> Any:
         return _ExperimentRecorder(self._record)
 
+    @override
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
         self._record("log_metrics", (dict(metrics), step), {})
 
+    @override
     @rank_zero_only
     def log_hyperparams(self, params: Union[dict[str, Any], Namespace], *args: Any, **kwargs: Any) -> None:
         self._record("log_hyperparams", (params, *args), kwargs)

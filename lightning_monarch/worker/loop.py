@@ -18,8 +18,9 @@ from __future__ import annotations
 import io
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import Trainer
@@ -39,7 +40,8 @@ from lightning_monarch.protocol import (
     WorkerFailure,
 )
 from lightning_monarch.worker.describe import describe_result, worker_side_result
-from lightning_monarch.worker.state import StateReader
+from lightning_monarch.worker.entries import EntryRecorder
+from lightning_monarch.worker.state import RankState
 
 
 @dataclass
@@ -55,12 +57,21 @@ class _OutOfBand:
 class StageLoop:
     """Runs in each worker: one Trainer stage, run ahead of the controller (R4)."""
 
-    def __init__(self, trainer: Trainer, run: Callable[[], Any], rank: int, reader: StateReader, plan: RunAhead,
-                 resume: Optional[RankSnapshot] = None) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        run: Callable[[], Any],
+        rank: int,
+        recorder: EntryRecorder,
+        state: RankState,
+        plan: RunAhead,
+        resume: Optional[RankSnapshot] = None,
+    ) -> None:
         self._trainer = trainer
         self._run = run
         self._rank = rank
-        self._reader = reader
+        self._recorder = recorder
+        self._state = state
         self._plan = plan
         #: Set while a replacement worker catches up to the snapshot (``protocol.ResumePoint``).
         self._resume = resume
@@ -156,9 +167,9 @@ class StageLoop:
         return self._predictions
 
     @property
-    def reader(self) -> StateReader:
-        """What this rank can tell the controller about its Trainer."""
-        return self._reader
+    def state(self) -> RankState:
+        """This rank's Trainer state, for the controller's out-of-band requests."""
+        return self._state
 
     def join(self, timeout: Optional[float]) -> None:
         """Runs on the endpoint thread: wait for the loop thread after the stage ended."""
@@ -177,7 +188,7 @@ class StageLoop:
             return self._nested_call(gate, fn, args, kwargs)
         if GATES[gate].batch_start:
             self._wait_for_credit()
-        arrival = self._reader.arrival()
+        arrival = self._recorder.arrival()
         self._depth, self._nested, self._gate = 1, [], gate
         try:
             result = fn(*args, **kwargs)
@@ -187,11 +198,19 @@ class StageLoop:
             raise
         finally:
             self._depth = 0
+        sync = self._plan.syncs_at(gate, self._trainer)
         staged = self._plan.stages_state_at(gate, self._trainer)
         if staged and self._rank == 0:
             self._wait_for_staging_room()
-        entry = self._reader.entry(gate, arrival, self._describe(gate, result, args), self._nested, staged)
-        entry.sync = self._plan.syncs_at(gate, self._trainer)
+        entry = self._recorder.entry(
+            gate,
+            arrival,
+            self._describe(gate, result, args),
+            self._nested,
+            sync=sync,
+            views=gate in self._plan.views,
+            staged=staged,
+        )
         self._gates += 1
         self._publish(entry)
         if entry.sync:
@@ -224,7 +243,9 @@ class StageLoop:
         if top:
             self._gates += 1
         if top and gate == SNAPSHOT_GATE:
-            self._reader.resume(self._resume)
+            # ``around`` calls this method only while ``_resume`` is set, and only this line clears it
+            assert self._resume is not None
+            self._state.resume(self._resume)
             self._resume = None
             self._park()
         return worker_side_result(gate, result)
@@ -260,7 +281,9 @@ class StageLoop:
         """Rank 0, before it copies its checkpoint state into an entry: wait while
         :data:`MAX_STAGED_STATES` copies are not fetched yet (R6)."""
         with self._cond:
-            self._cond.wait_for(lambda: sum(entry.checkpoint is not None for entry in self._entries) < MAX_STAGED_STATES)
+            self._cond.wait_for(
+                lambda: sum(entry.checkpoint is not None for entry in self._entries) < MAX_STAGED_STATES
+            )
 
     def _publish(self, entry: Entry) -> None:
         if self._rank != 0:
@@ -293,7 +316,6 @@ class StageLoop:
             setattr(self._trainer, name, value)
         if item.plan is not None:
             self._plan = item.plan
-            self._reader.update_plan(item.plan)
 
     def _main(self) -> None:
         try:
@@ -302,13 +324,13 @@ class StageLoop:
             self._free_running = True
             end = Entry(None, failure=WorkerFailure.capture(error, self._rank, self._failed_gate or self._gate))
         else:
-            end = self._reader.entry(None, self._reader.arrival(), None, [])
+            end = self._recorder.entry(None, self._recorder.arrival(), None, [])
             if any(isinstance(item, Release) for item in self._inbox):
-                error = DivergenceError(
+                divergence = DivergenceError(
                     f"Worker rank {self._rank} finished the stage while the controller still had it parked at a"
                     " sync gate: the two Lightning loops diverged."
                 )
-                end = Entry(None, failure=WorkerFailure.capture(error, self._rank, self._gate))
+                end = Entry(None, failure=WorkerFailure.capture(divergence, self._rank, self._gate))
         with self._cond:
             self._ended = end
             # requests for the end of the stage that came while this rank was finishing it (R5)

@@ -54,8 +54,10 @@ def inspect_worker(spec: PreflightSpec) -> WorkerReport:
     try:
         all_reduce_s = _time_all_reduce(spec)
         if all_reduce_s > spec.all_reduce_limit_s:
-            problems.append(f"an all-reduce of {spec.all_reduce_mib:g} MiB took {all_reduce_s:.2f} s,"
-                            f" over the {spec.all_reduce_limit_s:g} s limit")
+            problems.append(
+                f"an all-reduce of {spec.all_reduce_mib:g} MiB took {all_reduce_s:.2f} s,"
+                f" over the {spec.all_reduce_limit_s:g} s limit"
+            )
     except Exception as error:  # reported with the others; the controller raises once for all
         problems.append(f"the all-reduce failed: {type(error).__name__}: {error}")
     return WorkerReport(
@@ -78,10 +80,14 @@ def device_problem(count: int, visible: Mapping[str, str], host_gpus: Optional[i
     if count > 1:
         return f"sees {count} GPUs, expected exactly 1 (its own; {pinned}): its visibility variable did not reach it"
     if host_gpus is None:
-        return (f"sees no GPU ({pinned}): more `devices` asked for than this host has, or no GPU driver here;"
-                " `python -m lightning_monarch.preflight --accelerator gpu` on this host lists what it has")
-    return (f"sees no GPU ({pinned}): this host has {host_gpus} GPU(s), fewer than `devices` asks for; use"
-            f" `devices={host_gpus}` or fewer per host")
+        return (
+            f"sees no GPU ({pinned}): more `devices` asked for than this host has, or no GPU driver here;"
+            " `lightning-monarch preflight --accelerator gpu` on this host lists what it has"
+        )
+    return (
+        f"sees no GPU ({pinned}): this host has {host_gpus} GPU(s), fewer than `devices` asks for; use"
+        f" `devices={host_gpus}` or fewer per host"
+    )
 
 
 def rccl_warnings(environ: Mapping[str, str], kernel_cmdline: str, iommu_enabled: bool) -> list[str]:

@@ -1,4 +1,4 @@
-"""FSDP2 on a worker, for ``MonarchStrategy(parallelism="fsdp")``.
+"""FSDP2 on a worker, for ``MonarchFSDPStrategy``.
 
 Runs in each worker process. The worker's Trainer uses Lightning's own ``ModelParallelStrategy``
 (FSDP2, ``torch.distributed.fsdp.fully_shard``) with one data-parallel dimension over all ranks
@@ -12,7 +12,8 @@ offload.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
@@ -20,11 +21,6 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointWrapper,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -36,6 +32,7 @@ from torch.distributed.fsdp import (
 )
 from typing_extensions import override
 
+from lightning_monarch._compat import torch as torch_compat
 from lightning_monarch.protocol import ShardingSpec, TrainerConfig
 
 #: The LightningModule methods Lightning calls instead of ``forward``: FSDP2 must gather the root's
@@ -57,7 +54,7 @@ class OffloadedModelParallelStrategy(ModelParallelStrategy):
         assert self.model is not None
         for submodule in self.model.modules():
             for name, buffer in submodule.named_buffers(recurse=False):
-                submodule._buffers[name] = buffer.to(self.root_device)
+                setattr(submodule, name, buffer.to(self.root_device))
 
 
 def sharded_strategy(config: TrainerConfig, parallel_devices: Optional[list[torch.device]]) -> ModelParallelStrategy:
@@ -102,12 +99,17 @@ def shard(module: LightningModule, spec: ShardingSpec, warn: bool = True) -> Non
     it has one, as torchtitan does), then the root module, with the spec's mixed precision and CPU
     offload; and let FSDP2 gather the root's parameters around the step methods, which Lightning
     calls instead of ``forward``."""
-    mesh = module.device_mesh["data_parallel"]
-    options = {
+    # ``ModelParallelStrategy.setup_environment`` gives the module its mesh before ``configure_model``, where this runs
+    device_mesh = module.device_mesh
+    assert device_mesh is not None
+    mesh = device_mesh["data_parallel"]
+    options: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": spec.mixed_precision or MixedPrecisionPolicy(),
         # pinned host memory speeds up the copies to a GPU; without one there is none to pin
-        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu") if spec.cpu_offload else OffloadPolicy(),
+        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
+        if spec.cpu_offload
+        else OffloadPolicy(),
     }
     policy = spec.policy
     matched = [
@@ -126,18 +128,22 @@ def shard(module: LightningModule, spec: ShardingSpec, warn: bool = True) -> Non
         register_fsdp_forward_method(module, method)
 
 
-def checkpoint_activations(module: torch.nn.Module, classes: tuple[type, ...]) -> dict[torch.nn.Module, CheckpointWrapper]:
+def checkpoint_activations(
+    module: torch.nn.Module, classes: tuple[type, ...]
+) -> dict[torch.nn.Module, torch_compat.CheckpointWrapper]:
     """Wrap every instance of ``classes`` in ``module`` with ``checkpoint_wrapper`` (its activations
     are recomputed in the backward pass instead of kept), as Lightning's ``FSDPStrategy`` does for
     its ``activation_checkpointing_policy``; return each wrapped module's wrapper."""
     if classes:
-        apply_activation_checkpointing(
-            module, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda submodule: isinstance(submodule, classes)
+        torch_compat.apply_activation_checkpointing(
+            module,
+            checkpoint_wrapper_fn=torch_compat.checkpoint_wrapper,
+            check_fn=lambda submodule: isinstance(submodule, classes),
         )
     return {
-        wrapper._checkpoint_wrapped_module: wrapper
+        torch_compat.wrapped_module(wrapper): wrapper
         for wrapper in module.modules()
-        if isinstance(wrapper, CheckpointWrapper)
+        if isinstance(wrapper, torch_compat.CheckpointWrapper)
     }
 
 

@@ -16,7 +16,7 @@ import re
 import sys
 import tempfile
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import cloudpickle
 import torch
@@ -24,13 +24,14 @@ from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_monarch import _compat
+from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS, StageSpec
+from lightning_monarch.worker.entries import EntryRecorder
 from lightning_monarch.worker.logger import recording_loggers
 from lightning_monarch.worker.loop import StageLoop
 from lightning_monarch.worker.sharding import shard_in_configure_model, sharded_strategy
-from lightning_monarch.worker.state import StateReader
+from lightning_monarch.worker.state import RankState
 
 #: Extra keyword arguments each stage method takes on a worker.
 _STAGE_KWARGS = {
@@ -71,7 +72,7 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
 
     loop: StageLoop
 
-    def around(gate, fn, args, kwargs):  # noqa: ANN001, ANN202 - see gates.Around
+    def around(gate, fn, args, kwargs):
         return loop.around(gate, fn, args, kwargs)
 
     config = spec.trainer
@@ -82,13 +83,16 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
         accelerator=config.accelerator,
         devices=config.devices,
         num_nodes=config.num_nodes,
-        strategy=sharded_strategy(config, parallel_devices) if config.sharding is not None else DDPStrategy(
+        strategy=sharded_strategy(config, parallel_devices)
+        if config.sharding is not None
+        else DDPStrategy(
             cluster_environment=TorchElasticEnvironment(),
             parallel_devices=parallel_devices,
             process_group_backend=config.process_group_backend,
             **config.ddp_kwargs,
         ),
-        precision=config.precision,
+        # ``str(trainer.precision)`` of the controller's Trainer: one of the values Lightning's ``precision`` accepts
+        precision=cast(Any, config.precision),
         callbacks=[GateCallback(around), *worker_callbacks],
         logger=loggers or False,
         enable_checkpointing=False,
@@ -97,20 +101,22 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
         enable_autolog_hparams=False,
         **config.flags,
     )
-    _compat.carry_fit_progress(trainer, spec.fit_loop_state)
+    lightning_compat.carry_fit_progress(trainer, spec.fit_loop_state)
     install_hook_gates(module, "module", MODULE_HOOKS, around)
     if config.sharding is not None:
         shard_in_configure_model(module, config.sharding)
     if datamodule is not None:
         install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, around)
     ckpt_path, snapshot_file = spec.ckpt_path, None
-    if spec.resume is not None and isinstance(spec.resume.checkpoint, str):
-        ckpt_path = spec.resume.checkpoint  # a sharded snapshot's directory, which the controller removes
-    elif spec.resume is not None:
-        handle, snapshot_file = tempfile.mkstemp(prefix="lightning_monarch_snapshot_", suffix=".ckpt")
-        with os.fdopen(handle, "wb") as file:
-            file.write(spec.resume.checkpoint)
-        ckpt_path = snapshot_file
+    if spec.resume is not None:
+        checkpoint = spec.resume.checkpoint
+        if isinstance(checkpoint, str):
+            ckpt_path = checkpoint  # a sharded snapshot's directory, which the controller removes
+        else:
+            handle, snapshot_file = tempfile.mkstemp(prefix="lightning_monarch_snapshot_", suffix=".ckpt")
+            with os.fdopen(handle, "wb") as file:
+                file.write(checkpoint)
+            ckpt_path = snapshot_file
     stage = functools.partial(
         getattr(trainer, spec.fn),
         module,
@@ -128,6 +134,8 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
                 os.remove(snapshot_file)
 
     resume = spec.resume.ranks[rank] if spec.resume is not None else None
-    reader = StateReader(trainer, rank, logger_calls, spec.run_ahead)
-    loop = StageLoop(trainer, run, rank, reader, spec.run_ahead, resume)
+    state = RankState(trainer, rank)
+    loop = StageLoop(
+        trainer, run, rank, EntryRecorder(trainer, rank, logger_calls, state), state, spec.run_ahead, resume
+    )
     return loop

@@ -23,7 +23,9 @@ from typing import Any, Optional, Union
 import psutil
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
+from lightning_monarch._compat import torch as torch_compat
 from lightning_monarch.protocol import RankStats
 
 _MIB = 2**20
@@ -83,9 +85,11 @@ class StepTimer(Callback):
         self._started: Any = None
         self._spans: list[tuple[Any, Any]] = []
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._started = self._clock.mark()
 
+    @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         if self._started is not None:
             self._spans.append((self._started, self._clock.mark()))
@@ -177,7 +181,7 @@ def _peak_bandwidth_gbps(amdsmi: Any) -> Optional[float]:
     """The VRAM's peak bandwidth at its current memory clock in GB/s, as amdsmi gives it
     (``vram_max_bandwidth``, from ROCm 6.4); ``None`` where this amdsmi does not. NVML gives no
     peak bandwidth, so on NVIDIA only the busy percent is logged."""
-    info = amdsmi.amdsmi_get_gpu_vram_info(torch.cuda._get_amdsmi_handler())
+    info = amdsmi.amdsmi_get_gpu_vram_info(torch_compat.amdsmi_handle())
     peak = info.get("vram_max_bandwidth") if isinstance(info, dict) else None
     return float(peak) if isinstance(peak, (int, float)) and peak > 0 else None
 
@@ -193,10 +197,11 @@ class RankStatsReader:
     def read(self, rank: int, trainer: Trainer) -> RankStats:
         """This rank's stats now; the first read of a stage starts timing its steps."""
         device = trainer.strategy.root_device
-        timer = next((callback for callback in trainer.callbacks if isinstance(callback, StepTimer)), None)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        timer = next((callback for callback in callbacks if isinstance(callback, StepTimer)), None)
         if timer is None:
             timer = StepTimer(device)
-            trainer.callbacks.append(timer)
+            callbacks.append(timer)
         values = self._process_stats()
         step_time = timer.take_mean_ms()
         if step_time is not None:

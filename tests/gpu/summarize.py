@@ -26,8 +26,9 @@ def _tests(path: Path) -> list[dict[str, Any]]:
             found = case.find(kind)
             if found is not None:
                 outcome, detail = kind, (found.get("message") or "")[:400]
-        cases.append({"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)),
-                      "detail": detail})
+        cases.append(
+            {"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)), "detail": detail}
+        )
     return cases
 
 
@@ -50,18 +51,30 @@ def main() -> None:
         "benchmarks": {size: _benchmark(out / f"benchmark-{size}.json") for size in ("small", "medium")},
     }
     (out / "gpu-summary.json").write_text(json.dumps(summary, indent=2))
-    lines = [f"GPU run of {summary['date']}, commit `{commit}`, {seconds} s", "", "```", machine, "```", "",
-             "| test | outcome | s | detail |", "|---|---|---|---|"]
-    lines += [f"| {case['test']} | {case['outcome']} | {case['seconds']:.1f} | {case['detail'].splitlines()[0] if case['detail'] else ''} |"
-              for case in summary["tests"]] or ["| (no test report) | missing | | |"]
+    lines = [
+        f"GPU run of {summary['date']}, commit `{commit}`, {seconds} s",
+        "",
+        "```",
+        machine,
+        "```",
+        "",
+        "| test | outcome | s | detail |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {case['test']} | {case['outcome']} | {case['seconds']:.1f} | {case['detail'].splitlines()[0] if case['detail'] else ''} |"
+        for case in summary["tests"]
+    ] or ["| (no test report) | missing | | |"]
     lines += ["", "| benchmark | monarch ms/step | ddp ms/step | monarch/ddp throughput |", "|---|---|---|---|"]
     for size, result in summary["benchmarks"].items():
         if result is None:
             lines.append(f"| {size} | missing | | |")
         else:
             median = result["median_ms"]
-            lines.append(f"| {size} | {median['monarch']:.2f} | {median['ddp']:.2f}"
-                         f" | {result['throughput_ratio_monarch_over_ddp']:.3f} |")
+            lines.append(
+                f"| {size} | {median['monarch']:.2f} | {median['ddp']:.2f}"
+                f" | {result['throughput_ratio_monarch_over_ddp']:.3f} |"
+            )
     (out / "gpu-summary.md").write_text("\n".join(lines) + "\n")
 
 

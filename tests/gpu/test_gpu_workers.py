@@ -24,7 +24,7 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lightning_monarch import MeshStatsMonitor, MonarchStrategy
+from lightning_monarch import MeshStatsMonitor, MonarchFSDPStrategy, MonarchStrategy
 from lightning_monarch.controller.pool import MESHES
 from tests.conftest import ROOT
 from tests.models import Classifier
@@ -68,25 +68,43 @@ def _strategy(name: str, options: dict[str, Any]) -> Any:
     options = dict(options)
     if "fsdp_policy" in options:  # module classes by name, so that the options stay JSON
         options["fsdp_policy"] = {getattr(nn, options["fsdp_policy"])}
+        return MonarchFSDPStrategy(**options)
     return MonarchStrategy(**options)
 
 
-def train(strategy: str, precision: str = "32-true", model: str = "recorder", devices: int = 1,
-          accelerator: str = "gpu", options: dict[str, Any] | None = None, out: str | None = None) -> dict[str, Any]:
+def train(
+    strategy: str,
+    precision: str = "32-true",
+    model: str = "recorder",
+    devices: int = 1,
+    accelerator: str = "gpu",
+    options: dict[str, Any] | None = None,
+    out: str | None = None,
+) -> dict[str, Any]:
     """One seeded fit; what the tests compare. ``options`` are ``MonarchStrategy``'s (JSON, so that
     the ``ddp`` reference can take the same call in a subprocess)."""
     L.seed_everything(1234)
     module = MODELS[model]()
     trainer = L.Trainer(
-        strategy=_strategy(strategy, options or {}), accelerator=accelerator, devices=devices, precision=precision,
-        max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=_strategy(strategy, options or {}),
+        accelerator=accelerator,
+        devices=devices,
+        precision=precision,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(module)
     result = {
         "callback_metrics": {key: float(value) for key, value in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,
-        "seen": {name: getattr(module, name) for name in ("seen_backend", "seen_device", "seen_world_size")
-                 if hasattr(module, name)},
+        "seen": {
+            name: getattr(module, name)
+            for name in ("seen_backend", "seen_device", "seen_world_size")
+            if hasattr(module, name)
+        },
         "losses": getattr(module, "losses", None),
     }
     if model != "transformer" or strategy == "ddp":
@@ -104,8 +122,10 @@ def ddp_reference(tmp_path: Path, strategy: str = "ddp", **arguments: Any) -> di
     """``train("ddp", ...)`` in a subprocess, which may initialize its GPU. With several processes on
     the CPU, ``ddp_spawn``: ``ddp`` would re-run the subprocess's command, which has no script."""
     out = tmp_path / "ddp.pt"
-    code = (f"import json, torch; from tests.gpu.test_gpu_workers import train;"
-            f" torch.save(train({strategy!r}, **json.loads({json.dumps(arguments)!r})), {str(out)!r})")
+    code = (
+        f"import json, torch; from tests.gpu.test_gpu_workers import train;"
+        f" torch.save(train({strategy!r}, **json.loads({json.dumps(arguments)!r})), {str(out)!r})"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=240)
     return torch.load(out, weights_only=False)
 
@@ -150,7 +170,7 @@ def test_two_workers_share_one_gpu_over_gloo(tmp_path: Path, monkeypatch: pytest
 
 
 def test_fsdp_with_cpu_offload_matches_ddp(tmp_path: Path) -> None:
-    options = {"parallelism": "fsdp", "fsdp_policy": "TransformerEncoderLayer", "cpu_offload": True}
+    options = {"fsdp_policy": "TransformerEncoderLayer", "cpu_offload": True}
     ours = train("monarch", model="transformer", options=options)
     assert not torch.cuda.is_initialized(), "the controller initialized a GPU"
     reference = ddp_reference(tmp_path, model="transformer")
@@ -162,9 +182,18 @@ def test_fsdp_with_cpu_offload_matches_ddp(tmp_path: Path) -> None:
 
 def test_mesh_stats_are_read_from_the_gpu(tmp_path: Path) -> None:
     L.seed_everything(1234)
-    trainer = L.Trainer(strategy="monarch", accelerator="gpu", devices=1, max_epochs=1, limit_val_batches=0,
-                        logger=CSVLogger(tmp_path, name="", version=""), callbacks=[MeshStatsMonitor(logging_interval=2)],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        strategy="monarch",
+        accelerator="gpu",
+        devices=1,
+        max_epochs=1,
+        limit_val_batches=0,
+        logger=CSVLogger(tmp_path, name="", version=""),
+        callbacks=[MeshStatsMonitor(logging_interval=2)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Classifier())
     with open(tmp_path / "metrics.csv") as file:
         rows = [row for row in csv.DictReader(file) if row.get("mesh/rank0/rss_mib")]

@@ -1,7 +1,8 @@
-"""The one door to Lightning's private API. Every private name lightning_monarch uses is here.
+"""The door to Lightning's private API: every private Lightning name lightning_monarch uses.
 
-Tested against the Lightning range pinned in ``pyproject.toml``. When Lightning changes one of
-these, this file is the only one to change.
+Checked against lightning 2.6.6 (:data:`CHECKED_WITH`); ``tests/test_compat.py`` resolves every
+name in :data:`PRIVATE_NAMES` and fails, naming the missing ones, when an upgrade removes one.
+When Lightning changes one of these, this file is the only one to change.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.data import has_len
@@ -23,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerTypeTuple
 
 __all__ = [
+    "CHECKED_WITH",
     "LR_SCHEDULER_TYPES",
     "Launcher",
     "LoggerConnector",
@@ -34,6 +37,8 @@ __all__ = [
     "dump_checkpoint",
     "end_restart",
     "fetched_batches",
+    "logger_connector_class",
+    "metric_store",
     "manual_step_progress",
     "predict_batch_indices",
     "record_eval_epoch_metrics",
@@ -41,10 +46,48 @@ __all__ = [
     "restore_stored_metrics",
     "rng_states",
     "route_accelerator",
+    "set_launcher",
+    "set_lightning_module",
+    "set_precision_plugin",
     "set_rng_states",
+    "stage_of",
     "stored_metrics",
     "trainer_flags",
 ]
+
+#: The Lightning release this door was last checked against.
+CHECKED_WITH = "lightning 2.6.6"
+#: Every private attribute this module reads or writes, by where it is found, starting from a
+#: Trainer (``trainer.fit_loop``, ...) or a ``ModelCheckpoint``: ``tests/test_compat.py`` checks
+#: that each one still exists. The private classes and functions imported above fail at import.
+PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
+    "trainer": (
+        "_fit_impl",
+        "_validate_impl",
+        "_test_impl",
+        "_predict_impl",
+        "_logger_connector",
+        "_checkpoint_connector",
+        "_accelerator_connector",
+        "_detect_anomaly",
+    ),
+    "trainer.strategy": ("_launcher", "_lightning_module", "_precision_plugin"),
+    "trainer._logger_connector": ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics"),
+    "trainer._checkpoint_connector": ("_parse_ckpt_path",),
+    "trainer.fit_loop": (
+        "_load_from_state_dict",
+        "_restarting",
+        "_loaded_from_state_dict",
+        "_resuming_from_checkpoint",
+        "_combined_loader",
+        "_data_fetcher",
+    ),
+    "trainer.fit_loop.epoch_loop.val_loop": ("_combined_loader", "_data_fetcher"),
+    "trainer.validate_loop": ("_combined_loader", "_data_fetcher"),
+    "trainer.test_loop": ("_combined_loader", "_data_fetcher"),
+    "trainer.predict_loop": ("_combined_loader", "_data_fetcher"),
+    "model_checkpoint": ("_every_n_train_steps", "_train_time_interval"),
+}
 
 LR_SCHEDULER_TYPES = LRSchedulerTypeTuple
 Launcher = _Launcher
@@ -84,7 +127,9 @@ def trainer_flags(trainer: Trainer) -> dict[str, Any]:
     # constructor put them (``_set_torch_flags``)
     deterministic = torch.are_deterministic_algorithms_enabled()
     flags.update(
-        deterministic="warn" if deterministic and torch.is_deterministic_algorithms_warn_only_enabled() else deterministic,
+        deterministic="warn"
+        if deterministic and torch.is_deterministic_algorithms_warn_only_enabled()
+        else deterministic,
         benchmark=torch.backends.cudnn.benchmark,
         max_epochs=trainer.fit_loop.max_epochs,
         min_epochs=trainer.fit_loop.min_epochs,
@@ -238,7 +283,8 @@ def record_eval_epoch_metrics(trainer: Trainer, sink: Callable[[dict[str, Any]],
         sink(dict(outputs))
         return outputs
 
-    connector.update_eval_epoch_metrics = recorded
+    # on the instance, as ``connector.update_eval_epoch_metrics = recorded`` would put it
+    vars(connector)["update_eval_epoch_metrics"] = recorded
 
 
 #: What torch's GradScaler says when it is built in a process without a GPU.
@@ -293,3 +339,47 @@ def route_accelerator(choose: Callable[[Any, Any], Any]) -> None:
 
     __init__.__lightning_monarch__ = True  # type: ignore[attr-defined]
     _AcceleratorConnector.__init__ = __init__  # type: ignore[method-assign]
+
+
+#: The Trainer's private method behind each public stage method: what Lightning hands the launcher.
+_STAGE_METHODS = {"_fit_impl": "fit", "_validate_impl": "validate", "_test_impl": "test", "_predict_impl": "predict"}
+
+
+def stage_of(function: Callable[..., Any]) -> str:
+    """The Trainer method (``"fit"``, ...) whose body ``function`` is: Lightning passes the launcher
+    the Trainer's private ``_<stage>_impl``."""
+    return _STAGE_METHODS[function.__name__]
+
+
+def metric_store(connector: _LoggerConnector, view: str) -> dict[str, Any]:
+    """The dict Lightning keeps behind ``trainer.<view>`` (``callback_metrics``, ...)."""
+    return getattr(connector, f"_{view}")
+
+
+def logger_connector_class(trainer: Trainer, cls: type) -> tuple[_LoggerConnector, Callable[[], None]]:
+    """Make ``trainer``'s logger connector an instance of ``cls`` (a subclass of Lightning's);
+    return it and the undo."""
+    connector = trainer._logger_connector
+    original = type(connector)
+    connector.__class__ = cls
+
+    def undo() -> None:
+        connector.__class__ = original
+
+    return connector, undo
+
+
+def set_launcher(strategy: Any, launcher: _Launcher) -> None:
+    """What a strategy's ``_configure_launcher`` does, as Lightning's own strategies do it."""
+    strategy._launcher = launcher
+
+
+def set_precision_plugin(strategy: Any, plugin: Any) -> None:
+    """What Lightning's ``precision_plugin`` setter stores."""
+    strategy._precision_plugin = plugin
+
+
+def set_lightning_module(strategy: Any, module: Any) -> None:
+    """Attach ``module`` to ``strategy`` (or detach, with ``None``) without Lightning's setter's
+    side effects."""
+    strategy._lightning_module = module

@@ -1,6 +1,6 @@
 """Preflight: every worker of a mesh checks itself before the first step.
 
-    python -m lightning_monarch.preflight --devices 2 [--accelerator gpu] [--hosts tcp://node-1:26600,...]
+    lightning-monarch preflight --devices 2 [--accelerator gpu] [--hosts tcp://node-1:26600,...]
         [--num-nodes 2] [--all-reduce-mib 64]
 
 Runs on the controller. ``MonarchLauncher`` runs it on every new mesh before the first stage, with
@@ -21,22 +21,26 @@ from typing import Optional
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_monarch.controller.mesh import WorkerMesh
+from lightning_monarch.errors import PreflightError
 from lightning_monarch.protocol import PreflightSpec, WorkerReport, versions
 
 
-class PreflightError(RuntimeError):
-    """Workers failed their checks before the first step; the message lists every problem."""
-
-
-def check(mesh: WorkerMesh, accelerator: str, process_group_backend: Optional[str], all_reduce_mib: float = 1.0,
-          all_reduce_limit_s: float = 60.0) -> list[WorkerReport]:
+def check(
+    mesh: WorkerMesh,
+    accelerator: str,
+    process_group_backend: Optional[str],
+    all_reduce_mib: float = 1.0,
+    all_reduce_limit_s: float = 60.0,
+) -> list[WorkerReport]:
     """Check every worker of ``mesh``; raise ``PreflightError`` listing all problems, or return
     the reports in rank order."""
     spec = PreflightSpec(accelerator, process_group_backend, versions(), all_reduce_mib, all_reduce_limit_s)
     reports = mesh.preflight(spec)
     mesh.checked = True
     _warn_once(reports)
-    problems = [f"  host {report.host}, rank {report.rank}: {problem}" for report in reports for problem in report.problems]
+    problems = [
+        f"  host {report.host}, rank {report.rank}: {problem}" for report in reports for problem in report.problems
+    ]
     if problems:
         raise PreflightError(
             f"{len(problems)} problem(s) on the worker mesh, found before the first step:\n" + "\n".join(problems)
@@ -56,43 +60,60 @@ def _warn_once(reports: list[WorkerReport]) -> None:
 
 def table(reports: list[WorkerReport], all_reduce_mib: float) -> str:
     """The reports as a text table, one row per worker."""
-    header = ("host", "rank", "pid", "device", "memory GiB", "torch", "lightning", "cuda / hip", "visible",
-              "all-reduce ms", "GB/s")
+    header = (
+        "host",
+        "rank",
+        "pid",
+        "device",
+        "memory GiB",
+        "torch",
+        "lightning",
+        "cuda / hip",
+        "visible",
+        "all-reduce ms",
+        "GB/s",
+    )
     rows = [header]
     for r in reports:
         seconds = r.all_reduce_s
-        rows.append((
-            r.host, str(r.rank), str(r.pid), r.device,
-            f"{r.device_memory_gib:.0f}" if r.device_memory_gib is not None else "-",
-            str(r.versions["torch"]), str(r.versions["lightning"]),
-            f"{r.versions['cuda'] or '-'} / {r.versions['hip'] or '-'}",
-            " ".join(f"{name}={value}" for name, value in r.visible_devices.items()) or "-",
-            f"{1000 * seconds:.1f}" if seconds is not None else "failed",
-            # bus bandwidth of a ring all-reduce: each rank sends and receives 2 (n-1)/n of the data
-            f"{2 * (len(reports) - 1) / len(reports) * all_reduce_mib * 2**20 / seconds / 1e9:.2f}"
-            if seconds else "-",
-        ))
+        rows.append(
+            (
+                r.host,
+                str(r.rank),
+                str(r.pid),
+                r.device,
+                f"{r.device_memory_gib:.0f}" if r.device_memory_gib is not None else "-",
+                str(r.versions["torch"]),
+                str(r.versions["lightning"]),
+                f"{r.versions['cuda'] or '-'} / {r.versions['hip'] or '-'}",
+                " ".join(f"{name}={value}" for name, value in r.visible_devices.items()) or "-",
+                f"{1000 * seconds:.1f}" if seconds is not None else "failed",
+                # bus bandwidth of a ring all-reduce: each rank sends and receives 2 (n-1)/n of the data
+                f"{2 * (len(reports) - 1) / len(reports) * all_reduce_mib * 2**20 / seconds / 1e9:.2f}"
+                if seconds
+                else "-",
+            )
+        )
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows)
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Give ``parser`` the command's options; ``lightning-monarch preflight`` has the same ones."""
     parser.add_argument("--devices", type=int, default=1, help="workers per host, as Trainer(devices=...)")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu", "cuda"])
-    parser.add_argument("--hosts", default=None, type=lambda text: [a.strip() for a in text.split(",") if a.strip()],
-                        help="comma-separated worker addresses of other hosts (tcp://node-1:26600,...), each running"
-                             " monarch.actor.run_worker_loop_forever; by default this host")
+    parser.add_argument(
+        "--hosts",
+        default=None,
+        type=lambda text: [a.strip() for a in text.split(",") if a.strip()],
+        help="comma-separated worker addresses of other hosts (tcp://node-1:26600,...), each running"
+        " monarch.actor.run_worker_loop_forever; by default this host",
+    )
     parser.add_argument("--num-nodes", type=int, default=None, help="as Trainer(num_nodes=...): the number of --hosts")
     parser.add_argument("--process-group-backend", default=None)
     parser.add_argument("--all-reduce-mib", type=float, default=64.0)
     parser.add_argument("--all-reduce-limit-s", type=float, default=60.0)
     return parser
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = add_arguments(argparse.ArgumentParser(description="Check every worker of a strategy='monarch' mesh."))
-    return run(parser.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,9 +127,11 @@ def run(args: argparse.Namespace) -> int:
 
     strategy = MonarchStrategy(hosts=args.hosts, process_group_backend=args.process_group_backend, keep_warm=False)
     num_nodes = args.num_nodes or (len(args.hosts) if args.hosts else 1)
-    trainer = L.Trainer(strategy=strategy, accelerator=args.accelerator, devices=args.devices, num_nodes=num_nodes,
-                        logger=False)
-    key = trainer.strategy.mesh_key()
+    trainer = L.Trainer(
+        strategy=strategy, accelerator=args.accelerator, devices=args.devices, num_nodes=num_nodes, logger=False
+    )
+    assert isinstance(trainer.strategy, MonarchStrategy)  # the Trainer keeps the strategy instance it was given
+    key = trainer.strategy._mesh_key()
     mesh = MESHES.acquire(key)
     try:
         print(f"Starting {mesh.num_workers} worker(s) and checking them ...", flush=True)
@@ -120,7 +143,3 @@ def run(args: argparse.Namespace) -> int:
         MESHES.release(key, mesh, keep=False, failed=False)
     print(table(reports, args.all_reduce_mib))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

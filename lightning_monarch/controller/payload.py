@@ -1,9 +1,10 @@
-"""Checks on what the workers will receive, made before any worker starts.
+"""The stage's payload: its objects pickled once for the workers, and checked before any starts.
 
-Runs on the controller. The stage's objects travel to the workers pickled; classes and functions
-travel by module path (except those defined in ``__main__``, which cloudpickle sends by value), so
-the workers must be able to import them. Both failures are reported here with the fix, instead of
-as an unpickling error on a remote process.
+Runs on the controller. The module, datamodule, dataloaders and worker callbacks travel to the
+workers pickled (``StageSpec.payload``); classes and functions travel by module path (except those
+defined in ``__main__``, which cloudpickle sends by value), so the workers must be able to import
+them. An object that cannot be pickled and a class the workers cannot import are both reported
+here with the fix, instead of as an unpickling error on a remote process.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Optional
 
 import cloudpickle
 from lightning.pytorch import Trainer
+from typing_extensions import override
 
 
 class _ReferenceRecorder(cloudpickle.Pickler):
@@ -34,6 +36,7 @@ class _ReferenceRecorder(cloudpickle.Pickler):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.references: dict[str, str] = {}
 
+    @override
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Trainer):
             return type(None), ()
@@ -92,7 +95,8 @@ def _unpicklable_main_globals(cls: type) -> list[str]:
     main = vars(sys.modules["__main__"])
     names = {
         name
-        for klass in cls.__mro__ if klass.__module__ == "__main__"
+        for klass in cls.__mro__
+        if klass.__module__ == "__main__"
         for member in vars(klass).values()
         for name in getattr(getattr(getattr(member, "__func__", member), "__code__", None), "co_names", ())
         if name in main
@@ -133,10 +137,11 @@ def _import_root(module: str) -> Optional[str]:
     if spec.origin in (None, "built-in", "frozen") and not spec.submodule_search_locations:
         return None
     location = next(iter(spec.submodule_search_locations or [])) if spec.submodule_search_locations else spec.origin
+    assert location is not None  # a spec without an origin has search locations, or returned above
     return os.path.realpath(os.path.dirname(location))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _worker_sys_path_for(cwd: str, pythonpath: str) -> frozenset[str]:
     output = subprocess.run(
         [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path))"],
@@ -154,13 +159,21 @@ def _worker_finds(module: str) -> bool:
     return _worker_finds_package(module.split(".", 1)[0], os.getcwd(), os.environ.get("PYTHONPATH", ""))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _worker_finds_package(package: str, cwd: str, pythonpath: str) -> bool:
-    return subprocess.run(
-        [sys.executable, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)",
-         package],
-        cwd=cwd, capture_output=True,
-    ).returncode == 0
+    return (
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)",
+                package,
+            ],
+            cwd=cwd,
+            capture_output=True,
+        ).returncode
+        == 0
+    )
 
 
 def _worker_sys_path() -> frozenset[str]:

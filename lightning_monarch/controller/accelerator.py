@@ -13,6 +13,7 @@ from typing import Any, Union
 import torch
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
 
 from lightning_monarch.devices import gpu_build
 
@@ -20,16 +21,20 @@ from lightning_monarch.devices import gpu_build
 class WorkerGPUAccelerator(Accelerator):
     """Runs on the controller: names the workers' GPUs without touching a GPU here."""
 
+    @override
     def setup_device(self, device: torch.device) -> None:
         """The controller keeps its model mirror on the CPU."""
 
+    @override
     def teardown(self) -> None:
         """Nothing was set up on the controller."""
 
+    @override
     def get_device_stats(self, device: Any) -> dict[str, Any]:
         return {}
 
     @staticmethod
+    @override
     def parse_devices(devices: Union[int, str, list[int]]) -> Union[int, list[int]]:
         if isinstance(devices, str) and devices.strip().isdigit():
             devices = int(devices)
@@ -43,11 +48,13 @@ class WorkerGPUAccelerator(Accelerator):
         )
 
     @staticmethod
+    @override
     def get_parallel_devices(devices: Union[int, list[int]]) -> list[torch.device]:
         indices = range(devices) if isinstance(devices, int) else devices
         return [torch.device("cuda", index) for index in indices]
 
     @staticmethod
+    @override
     def auto_device_count() -> int:
         raise MisconfigurationException(
             "`Trainer(strategy='monarch', accelerator='gpu', devices='auto')`: the controller cannot count the"
@@ -55,6 +62,7 @@ class WorkerGPUAccelerator(Accelerator):
         )
 
     @staticmethod
+    @override
     def is_available() -> bool:
         """Whether this process's torch is a CUDA or ROCm build. The controller needs no GPU, but the
         workers run the controller's torch build (preflight compares their versions), and a CPU
@@ -73,5 +81,6 @@ class WorkerGPUAccelerator(Accelerator):
             )
 
     @staticmethod
+    @override
     def name() -> str:
         return "monarch_gpu"

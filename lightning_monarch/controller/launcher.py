@@ -11,21 +11,24 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils._pytree import tree_flatten
+from typing_extensions import override
 
-from lightning_monarch import _compat, preflight
+from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch._compat.torch import tree_flatten
+from lightning_monarch.controller import preflight
 from lightning_monarch.controller.callbacks import check_controller_callbacks, check_worker_callbacks
 from lightning_monarch.controller.cells import blocks_the_cell
-from lightning_monarch.controller.checkpoints import SnapshotDirectory
 from lightning_monarch.controller.channel import StageChannel
-from lightning_monarch.controller.checks import pack_for_workers
+from lightning_monarch.controller.checkpoints import SnapshotDirectory
 from lightning_monarch.controller.mirrors import plan_loaders
+from lightning_monarch.controller.payload import pack_for_workers
 from lightning_monarch.controller.plan import make_plan, states_can_travel
 from lightning_monarch.controller.pool import MESHES
 from lightning_monarch.controller.session import StageSession
@@ -35,9 +38,12 @@ from lightning_monarch.protocol import LoaderRef, LoggerIdentity, StageSpec, Tra
 if TYPE_CHECKING:
     from lightning_monarch.strategy import MonarchStrategy
 
-_STAGES = {"_fit_impl": "fit", "_validate_impl": "validate", "_test_impl": "test", "_predict_impl": "predict"}
-_TRAINER_FN = {"fit": TrainerFn.FITTING, "validate": TrainerFn.VALIDATING, "test": TrainerFn.TESTING,
-               "predict": TrainerFn.PREDICTING}
+_TRAINER_FN = {
+    "fit": TrainerFn.FITTING,
+    "validate": TrainerFn.VALIDATING,
+    "test": TrainerFn.TESTING,
+    "predict": TrainerFn.PREDICTING,
+}
 #: The loop stage each dataloader argument feeds, per Trainer method.
 _LOADER_STAGES = {
     "fit": {"train_dataloaders": "train", "val_dataloaders": "val"},
@@ -50,25 +56,28 @@ _LOADER_STAGES = {
 _SEED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
-class MonarchLauncher(_compat.Launcher):
+class MonarchLauncher(lightning_compat.Launcher):
     """Runs on the controller: each Trainer stage on a worker mesh from the warm pool."""
 
-    def __init__(self, strategy: "MonarchStrategy") -> None:
+    def __init__(self, strategy: MonarchStrategy) -> None:
         self._strategy = strategy
 
     @property
+    @override
     def is_interactive_compatible(self) -> bool:
         """The controller is the only process Lightning sees, so notebooks work."""
         return True
 
+    @override
     def kill(self, signum: Any) -> None:
         """Lightning asks a launcher to kill its processes on interrupt; ``launch`` always stops the
         mesh itself, on every way out, so nothing is left to kill here."""
 
+    @override
     @blocks_the_cell
     def launch(self, function: Callable, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
         assert trainer is not None
-        stage = _STAGES[function.__name__]
+        stage = lightning_compat.stage_of(function)
         arguments = inspect.signature(function).bind(*args, **kwargs).arguments
         loader_args = _LOADER_STAGES[stage]
         for name in loader_args:
@@ -82,7 +91,7 @@ class MonarchLauncher(_compat.Launcher):
         spec = self._stage_spec(stage, trainer, module, datamodule, loaders, arguments)
 
         silence = _silence_on_exception(datamodule)
-        key = self._strategy.mesh_key()
+        key = self._strategy._mesh_key()
         mesh = MESHES.acquire(key)
         mesh.step_timeout = self._strategy.step_timeout
         ended_cleanly = False
@@ -91,29 +100,38 @@ class MonarchLauncher(_compat.Launcher):
         try:
             if not mesh.checked:
                 preflight.check(mesh, key.accelerator, key.process_group_backend)
-            if spec.trainer.sharding is not None and self._strategy.max_restarts:
-                snapshots = SnapshotDirectory(self._strategy.snapshot_dir)
+            snapshots = self._strategy._snapshot_directory()
             channel = StageChannel(mesh, spec, self._strategy.max_restarts, snapshots)
             channel.start()
-            session = StageSession(trainer, channel, module, datamodule, self._strategy.worker_callbacks,
-                                   spec.run_ahead, self._snapshot_every(), sharded=spec.trainer.sharding is not None)
-            self._strategy.attach(session)
+            session = StageSession(
+                trainer,
+                channel,
+                module,
+                datamodule,
+                self._strategy.worker_callbacks,
+                spec.run_ahead,
+                self._snapshot_every(),
+                sharded=spec.trainer.sharding is not None,
+            )
+            self._strategy._attach(session)
             with session.installed():
                 for name, value in loaders.items():
                     arguments[name] = plan_loaders(LoaderRef.describe(value), loader_args[name], session.loaders)
                 result = function(**arguments)
                 session.finish(stage)
             if stage == "predict" and result is not None:
-                batch_sizes = [getattr(loader, "batch_size", None) for loader in tree_flatten(trainer.predict_dataloaders)[0]]
+                batch_sizes = [
+                    getattr(loader, "batch_size", None) for loader in tree_flatten(trainer.predict_dataloaders)[0]
+                ]
                 result = session.predictions.in_dataset_order(len(trainer.num_predict_batches), batch_sizes)
             ended_cleanly = True
             return result
         except BaseException:
-            self._strategy.keep_until_exception_handled(silence)
+            self._strategy._keep_until_exception_handled(silence)
             silence = None
             raise
         finally:
-            self._strategy.attach(None)
+            self._strategy._attach(None)
             self._strategy.restarts += channel.restarts if channel is not None else 0
             MESHES.release(key, mesh, keep=self._strategy.keep_warm, failed=not ended_cleanly)
             if snapshots is not None:
@@ -125,19 +143,26 @@ class MonarchLauncher(_compat.Launcher):
         """Every how many training epochs the workers wait for a snapshot; ``None`` without restarts."""
         return self._strategy.snapshot_every_n_epochs if self._strategy.max_restarts else None
 
-    def _stage_spec(self, stage: str, trainer: Trainer, module: LightningModule,
-                    datamodule: Optional[LightningDataModule], loaders: dict[str, Any],
-                    arguments: dict[str, Any]) -> StageSpec:
+    def _stage_spec(
+        self,
+        stage: str,
+        trainer: Trainer,
+        module: LightningModule,
+        datamodule: Optional[LightningDataModule],
+        loaders: dict[str, Any],
+        arguments: dict[str, Any],
+    ) -> StageSpec:
         """Everything the workers need, checked and pickled before any of them starts."""
         strategy = self._strategy
-        check_controller_callbacks(trainer.callbacks)
+        check_controller_callbacks(trainer.callbacks)  # type: ignore[attr-defined]
         check_worker_callbacks(strategy.worker_callbacks)
-        if not isinstance(trainer.profiler, PassThroughProfiler):
+        profiler = trainer.profiler  # type: ignore[attr-defined]
+        if not isinstance(profiler, PassThroughProfiler):
             rank_zero_warn(
-                f"`Trainer(profiler={type(trainer.profiler).__name__}(...))` under strategy='monarch' profiles the"
+                f"`Trainer(profiler={type(profiler).__name__}(...))` under strategy='monarch' profiles the"
                 " controller's loop: each step's time there includes waiting for the workers, not their compute."
             )
-        sharding = strategy.sharding_for_stage(module, arguments.get("ckpt_path"))
+        sharding = strategy._sharding_for_stage(module, arguments.get("ckpt_path"))
         script_dir = _script_dir()
         payload = pack_for_workers(
             {
@@ -148,7 +173,7 @@ class MonarchLauncher(_compat.Launcher):
             },
             script_dir,
         )
-        ckpt_path = _compat.resolve_ckpt_path(
+        ckpt_path = lightning_compat.resolve_ckpt_path(
             trainer, _TRAINER_FN[stage], arguments.get("ckpt_path"), model_provided=arguments.get("model") is not None
         )
         if ckpt_path is not None and "://" not in ckpt_path and not os.path.exists(ckpt_path):
@@ -166,18 +191,24 @@ class MonarchLauncher(_compat.Launcher):
                 num_nodes=strategy.num_nodes,
                 precision=str(trainer.precision),
                 process_group_backend=strategy.process_group_backend,
-                flags={**_compat.trainer_flags(trainer), "sync_batchnorm": strategy.sync_batchnorm},
+                flags={**lightning_compat.trainer_flags(trainer), "sync_batchnorm": strategy.sync_batchnorm},
                 ddp_kwargs=strategy.ddp_kwargs,
                 sharding=sharding,
             ),
             loggers=[
-                LoggerIdentity(name=logger.name, version=logger.version, save_dir=logger.save_dir, log_dir=logger.log_dir)
+                LoggerIdentity(
+                    name=logger.name, version=logger.version, save_dir=logger.save_dir, log_dir=logger.log_dir
+                )
                 for logger in trainer.loggers
             ],
             sys_path=(script_dir,) if script_dir else (),
             env={name: os.environ.get(name) for name in _SEED_ENV},
-            run_ahead=make_plan(trainer.callbacks, strategy.max_ahead, self._snapshot_every(),
-                                states_travel=states_can_travel(module, strategy.worker_callbacks, sharding is not None)),
+            run_ahead=make_plan(
+                trainer.callbacks,  # type: ignore[attr-defined]
+                strategy.max_ahead,
+                self._snapshot_every(),
+                states_travel=states_can_travel(module, strategy.worker_callbacks, sharding is not None),
+            ),
         )
 
 

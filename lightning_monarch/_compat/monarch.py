@@ -1,0 +1,102 @@
+"""The door to Monarch's private API: every private Monarch name lightning_monarch uses.
+
+Checked against torchmonarch 0.7 (:data:`CHECKED_WITH`); ``tests/test_compat.py`` resolves every
+name in :data:`PRIVATE_NAMES`. Importing it imports no part of Monarch (``import lightning_monarch``
+asks :func:`launched_by_monarch` before Monarch may start): ``SupervisionError`` is imported when
+first asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+    from monarch.actor import ProcMesh
+    from monarch.job import SlurmJob
+
+__all__ = [
+    "CHECKED_WITH",
+    "SupervisionError",
+    "failed_rank",
+    "flush_forwarded_output",
+    "launched_by_monarch",
+    "job_meshes",
+    "slurm_addresses",
+    "slurm_gpus_per_node",
+    "slurm_tasks_per_node",
+]
+
+#: The Monarch release this door was last checked against.
+CHECKED_WITH = "torchmonarch 0.7"
+#: Every private attribute this module reads, by the class whose instances have it.
+PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
+    "SlurmJob": ("_meshes", "_ntasks_per_node", "_gpus_per_node", "_port", "_all_hostnames"),
+    "ProcMesh": ("_logging_manager",),
+}
+#: What Monarch's proc launcher sets in the environment of every process it launches for a proc
+#: mesh (``monarch._src.actor.proc_launcher.LaunchOptions``), and nowhere else.
+PROC_MESH_VARIABLE = "HYPERACTOR_MESH_BOOTSTRAP_MODE"
+
+
+def launched_by_monarch() -> bool:
+    """Whether Monarch launched this process for a proc mesh: here, a worker of ours."""
+    return PROC_MESH_VARIABLE in os.environ
+
+
+def __getattr__(name: str) -> Any:
+    """``SupervisionError``, imported on first use: importing Monarch's bindings here, at
+    ``import lightning_monarch``, would start Monarch before ``controller.install`` configured it."""
+    if name == "SupervisionError":  # what a call raises when a process of its mesh died
+        from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+
+        return SupervisionError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def job_meshes(job: Any) -> Optional[dict[str, Any]]:
+    """A Monarch job's mesh specification (mesh name to host count, or a mesh config on
+    Kubernetes), as its constructor keeps it; ``None`` for an object that keeps none."""
+    meshes = getattr(job, "_meshes", None)
+    return meshes if isinstance(meshes, dict) else None
+
+
+def slurm_tasks_per_node(job: SlurmJob) -> int:
+    """``SlurmJob(ntasks_per_node=...)``."""
+    return job._ntasks_per_node
+
+
+def slurm_gpus_per_node(job: SlurmJob) -> Optional[int]:
+    """``SlurmJob(gpus_per_node=...)``."""
+    return job._gpus_per_node
+
+
+def slurm_addresses(job: SlurmJob) -> list[str]:
+    """The workers' addresses of a running ``SlurmJob``: its allocated hostnames and port."""
+    return [f"tcp://{hostname}:{job._port}" for hostname in job._all_hostnames]
+
+
+async def flush_forwarded_output(procs: ProcMesh) -> None:
+    """Flush the log forwarders of ``procs``: once it returns, they have taken every message sent
+    to them before, the logging mode included."""
+    await procs._logging_manager.flush_async()
+
+
+#: The point Monarch's supervision report names (``{'hosts': 1/2, 'gpus': 0/4}``).
+_POINT = re.compile(r"\{((?:'\w+': \d+/\d+(?:, )?)+)\}")
+_COORDINATE = re.compile(r"'\w+': (\d+)/(\d+)")
+
+
+def failed_rank(report: str) -> Optional[int]:
+    """The global rank of the worker that Monarch's supervision ``report`` names, from the point it
+    gives (``{'hosts': 1/2, 'gpus': 0/4}``): the row-major index over every dimension, which is the
+    ``RANK`` that ``setup_torch_elastic_env`` gave that process. ``None`` if it names no point."""
+    point = _POINT.search(report)
+    if point is None:
+        return None
+    rank = 0
+    for index, size in _COORDINATE.findall(point.group(1)):
+        rank = rank * int(size) + int(index)
+    return rank

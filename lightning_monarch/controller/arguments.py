@@ -1,0 +1,127 @@
+"""Checks of the arguments users give ``MonarchStrategy``, ``MonarchFSDPStrategy`` and
+``MeshStatsMonitor``, at construction, before any worker starts.
+
+Runs on the controller. Each check returns the value it accepted and raises with the argument as
+the user wrote it, what it must be and, where one fits, an example.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+
+def whole_number(
+    owner: str, name: str, value: Any, minimum: int, *, of: str = "", meaning: str = "", none: Optional[str] = None
+) -> Any:
+    """``value`` if it is an ``int`` (not a ``bool``) of at least ``minimum``; ``None`` too when
+    ``none`` says what it means. Otherwise ``ValueError``."""
+    if value is None and none is not None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= minimum:
+        return value
+    counted = f" of {of}" if of else ""
+    alternative = f", or None {none}" if none is not None else ""
+    raise ValueError(f"`{owner}({name}={value!r})`: give a whole number{counted} >= {minimum}{meaning}{alternative}.")
+
+
+def number(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    above: float,
+    at_most: Optional[float] = None,
+    of: str = "",
+    meaning: str = "",
+    none: Optional[str] = None,
+) -> Any:
+    """``value`` if it is a real number (not a ``bool``) above ``above`` and at most ``at_most``;
+    ``None`` too when ``none`` says what it means. Otherwise ``ValueError``."""
+    if value is None and none is not None:
+        return None
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and value > above
+        and (at_most is None or value <= at_most)
+    ):
+        return value
+    counted = f" of {of}" if of else ""
+    bounds = f"in ({above:g}, {at_most:g}]" if at_most is not None else f"> {above:g}"
+    alternative = f", or None {none}" if none is not None else ""
+    raise ValueError(f"`{owner}({name}={value!r})`: give a number{counted} {bounds}{meaning}{alternative}.")
+
+
+def flag(owner: str, name: str, value: Any) -> bool:
+    """``value`` if it is ``True`` or ``False``; otherwise ``TypeError``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{owner}({name}={value!r})`: give True or False.")
+    return value
+
+
+def module_classes(owner: str, name: str, classes: Optional[Iterable[Any]]) -> tuple[type[nn.Module], ...]:
+    """The ``nn.Module`` classes of an argument that names them (``fsdp_policy``,
+    ``activation_checkpointing_policy``), in a fixed order; anything else is a ``TypeError``."""
+    found = tuple(sorted(set(classes or ()), key=repr))
+    bad = [cls for cls in found if not (isinstance(cls, type) and issubclass(cls, nn.Module))]
+    if bad:
+        raise TypeError(
+            f"`{owner}({name}={set(found)!r})`: {bad} are not `nn.Module` classes. Give module classes, e.g."
+            f" `{name}={{nn.TransformerEncoderLayer}}`."
+        )
+    return found
+
+
+def mixed_precision_policy(owner: str, value: Any) -> Optional[MixedPrecisionPolicy]:
+    """FSDP2's ``MixedPrecisionPolicy`` with floating-point dtypes, or ``None``."""
+    example = "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
+    if value is None:
+        return None
+    if not isinstance(value, MixedPrecisionPolicy):
+        raise TypeError(
+            f"`{owner}(mixed_precision={value!r})`: give FSDP2's `MixedPrecisionPolicy` (from"
+            f" `torch.distributed.fsdp`), e.g. `mixed_precision={example}`."
+        )
+    dtypes = {name: getattr(value, name) for name in ("param_dtype", "reduce_dtype", "output_dtype")}
+    bad = {
+        name: dtype
+        for name, dtype in dtypes.items()
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point)
+    }
+    if bad:
+        raise TypeError(
+            f"`{owner}(mixed_precision={value!r})`: {bad} are not floating-point torch dtypes. Give e.g."
+            f" `mixed_precision={example}`."
+        )
+    return value
+
+
+def ddp_kwargs(kwargs: dict[str, Any], accepted: frozenset[str], sharded_options: Iterable[str]) -> dict[str, Any]:
+    """``MonarchStrategy``'s extra keyword arguments, which go to ``DistributedDataParallel`` on
+    the workers: a sharding option among them names ``MonarchFSDPStrategy``; anything else that
+    ``DistributedDataParallel`` does not take is a ``TypeError``."""
+    sharding = sorted(set(kwargs) & set(sharded_options))
+    if sharding == ["parallelism"] and kwargs["parallelism"] == "ddp":
+        raise TypeError(
+            "`MonarchStrategy(parallelism='ddp')`: `MonarchStrategy` always gives every worker a replica of the"
+            " module. Remove `parallelism`; `MonarchFSDPStrategy` shards the module instead."
+        )
+    if sharding:
+        given = ", ".join(f"{name}={kwargs[name]!r}" for name in sharding)
+        options = ", ".join(f"{name}=..." for name in sharding if name != "parallelism")
+        raise TypeError(
+            f"`MonarchStrategy({given})`: sharding the module across the workers is `MonarchFSDPStrategy`'s job."
+            f" Pass `lightning_monarch.MonarchFSDPStrategy({options})`, or `strategy='monarch_fsdp'`."
+        )
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise TypeError(
+            f"MonarchStrategy got {unknown}, which are not keyword arguments of `DistributedDataParallel`."
+            f" Accepted: {sorted(accepted)}."
+        )
+    return kwargs

@@ -1,0 +1,82 @@
+"""The controller's side effects, in one place: what ``import lightning_monarch`` does in the
+user's process, and nowhere else.
+
+Runs on the controller, once (:func:`install` is idempotent). ``lightning_monarch/__init__.py``
+calls it unless the process is one Monarch launched for a worker mesh: workers import the
+package's shared modules and ``worker/`` only, and leave Lightning, Monarch and the environment as
+they found them (``tests/test_layout.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+log = logging.getLogger(__name__)
+
+#: How often Monarch checks that worker processes are alive; its default (about 10 s) leaves a
+#: controller waiting that long on a dead worker. Monarch reads it when it starts, so it is set
+#: before this module imports Monarch; worker processes inherit it.
+SUPERVISION_POLL = ("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
+
+_installed = False
+
+
+def install() -> None:
+    """Make this process a controller:
+
+    1. Monarch's supervision polls every second (:data:`SUPERVISION_POLL`, unless set already);
+    2. Monarch's ``unhandled_fault_hook``, whose default exits the process, only logs
+       (:func:`_log_fault`);
+    3. ``Trainer(strategy="monarch")`` and ``"monarch_fsdp"`` are registered
+       (``register_strategies``);
+    4. ``Trainer(accelerator="gpu")`` under those strategies names the workers' GPUs, so that a
+       controller without a GPU accepts it (``WorkerGPUAccelerator``).
+    """
+    global _installed
+    if _installed:
+        return
+    os.environ.setdefault(*SUPERVISION_POLL)
+    import monarch.actor
+
+    from lightning_monarch._compat import lightning as lightning_compat
+    from lightning_monarch.fsdp import MonarchFSDPStrategy
+    from lightning_monarch.strategy import MonarchStrategy
+
+    monarch.actor.unhandled_fault_hook = _log_fault
+    MonarchStrategy.register_strategies(StrategyRegistry)
+    MonarchFSDPStrategy.register_strategies(StrategyRegistry)
+    lightning_compat.route_accelerator(_route_gpu_to_workers)
+    _installed = True
+
+
+def _log_fault(failure: Any) -> None:
+    """Replaces Monarch's ``unhandled_fault_hook``, whose default exits the controller.
+
+    Monarch calls it from its own thread when a worker process dies or an actor fails outside a
+    call, including the processes of a mesh the controller killed itself after a failure. A
+    failure that matters reaches the call waiting on that worker, which raises it (see
+    ``WorkerMesh._gather``); here it is only logged, at debug level. A failure of an earlier,
+    already stopped mesh must not fail the next one.
+    """
+    log.debug("Monarch reported a worker mesh failure: %s", failure)
+
+
+def _route_gpu_to_workers(strategy: Any, accelerator: Any) -> Any:
+    """Under ``strategy="monarch"``, ``accelerator="gpu"``/``"cuda"`` names the workers' GPUs."""
+    from lightning_monarch.controller.accelerator import WorkerGPUAccelerator
+    from lightning_monarch.fsdp import MonarchFSDPStrategy
+    from lightning_monarch.strategy import MonarchStrategy
+
+    named = strategy in (MonarchStrategy.strategy_name, MonarchFSDPStrategy.strategy_name)
+    if (
+        (named or isinstance(strategy, MonarchStrategy))
+        and isinstance(accelerator, str)
+        and accelerator in ("gpu", "cuda")
+    ):
+        WorkerGPUAccelerator.check_available(accelerator)
+        return WorkerGPUAccelerator()
+    return accelerator

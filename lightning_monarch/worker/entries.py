@@ -1,0 +1,110 @@
+"""What rank 0 records for the controller at each gate: its entries (R3).
+
+Runs in each worker, on the loop thread. Rank 0 is the reference rank, as Lightning's rank 0 is
+under DDP: its control state, logger calls, metric views and optimizer hyperparameters are what the
+controller shows. The other ranks record empty entries, but read what every rank must read alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lightning.pytorch import Trainer
+
+from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch.protocol import METRIC_VIEWS, Entry, LoggerCall, control_state
+from lightning_monarch.worker.describe import param_group_hyperparameters, to_cpu
+from lightning_monarch.worker.state import RankState
+
+#: The gates whose entries carry the optimizers' hyperparameters: where ``LearningRateMonitor``
+#: reads them on the controller.
+_PARAM_GROUP_GATES = frozenset({"callback.on_train_batch_start", "callback.on_train_epoch_start"})
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What a worker read when it reached a gate, before the hook ran (``Entry``'s arrival fields)."""
+
+    eval_outputs: list[dict[str, Any]]
+    loader_lengths: Optional[dict[str, list[Optional[int]]]]
+    fetched_batches: Optional[dict[str, int]]
+
+
+class EntryRecorder:
+    """Runs in each worker: this rank's entries, one per gate (R3); rank 0's carry what the
+    controller learns of its Trainer between sync gates (R6)."""
+
+    def __init__(self, trainer: Trainer, rank: int, logger_calls: list[LoggerCall], state: RankState) -> None:
+        self._trainer = trainer
+        self._rank = rank
+        self._logger_calls = logger_calls
+        self._state = state
+        self._eval_outputs: list[dict[str, Any]] = []
+        lightning_compat.record_eval_epoch_metrics(trainer, self._eval_outputs.append)
+        #: What the last entry carried of what is sent only when it changed.
+        self._sent: dict[str, Any] = {}
+
+    def arrival(self) -> Arrival:
+        """What rank 0 tells the controller of a gate before its hook runs: the values
+        ``update_eval_epoch_metrics`` returned, and the loops' dataloader lengths and fetch counts,
+        when they changed (the controller's loop asks for them between gates)."""
+        outputs, self._eval_outputs[:] = self._eval_outputs[:], []
+        if self._rank != 0:
+            return Arrival([], None, None)
+        lengths = lightning_compat.combined_loader_lengths(self._trainer)
+        # the fetch counts matter for loaders without a length only, whose passes end where they do
+        unsized = any(None in stage for stage in lengths.values())
+        return Arrival(
+            eval_outputs=to_cpu(outputs),
+            loader_lengths=self._changed("loader_lengths", lengths),
+            fetched_batches=lightning_compat.fetched_batches(self._trainer) if unsized else None,
+        )
+
+    def entry(
+        self,
+        gate: Optional[str],
+        arrival: Arrival,
+        result: Any,
+        nested: list[tuple[str, Any]],
+        sync: bool = False,
+        views: bool = False,
+        staged: bool = False,
+    ) -> Entry:
+        """Rank 0's entry for ``gate`` after its hook ran (R3), marked ``sync`` where every rank
+        parks after it (R5), with the metric views if ``views`` or ``staged`` and a copy of its
+        checkpoint state if ``staged`` (R6); on the other ranks one with the gate and ``sync`` only,
+        but the metric views are read on every rank alike, since reading them may sync values across
+        ranks."""
+        metric_views = None
+        if views or staged:
+            metric_views = {view: to_cpu(dict(getattr(self._trainer, view))) for view in METRIC_VIEWS}
+        if self._rank != 0:
+            return Entry(gate, sync)
+        calls, self._logger_calls[:] = self._logger_calls[:], []
+        return Entry(
+            gate=gate,
+            sync=sync,
+            result=result,
+            nested=nested,
+            control=control_state(self._trainer),
+            logger_calls=calls,
+            param_groups=[param_group_hyperparameters(optimizer) for optimizer in self._trainer.optimizers]
+            if gate in _PARAM_GROUP_GATES
+            else None,
+            manual_steps=self._changed(
+                "manual_steps", lightning_compat.manual_step_progress(self._trainer).state_dict()
+            ),
+            views=metric_views,
+            checkpoint=self._state.checkpoint_state(copy=True) if staged else None,
+            eval_outputs=arrival.eval_outputs,
+            loader_lengths=arrival.loader_lengths,
+            fetched_batches=arrival.fetched_batches,
+        )
+
+    def _changed(self, name: str, value: Any) -> Any:
+        """``value`` if it differs from what the last entry carried under ``name``, else ``None``."""
+        if self._sent.get(name) == value:
+            return None
+        self._sent[name] = value
+        return value

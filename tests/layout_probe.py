@@ -1,0 +1,41 @@
+"""An actor that reports what a worker process has imported and installed (``test_layout.py``).
+
+It imports nothing of lightning_monarch itself, so that what it finds is what the worker's own
+start-up and stages imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from monarch.actor import Actor, endpoint
+
+#: Modules that only the controller may import.
+CONTROLLER_MODULES = (
+    "lightning_monarch.controller",
+    "lightning_monarch.strategy",
+    "lightning_monarch.fsdp",
+    "lightning_monarch.cli",
+)
+
+
+def side_effects() -> dict[str, Any]:
+    """This process's lightning_monarch modules and what the controller's install step changes."""
+    import monarch.actor
+    from lightning.pytorch.strategies import StrategyRegistry
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    return {
+        "modules": sorted(name for name in sys.modules if name.startswith("lightning_monarch")),
+        "controller_modules": sorted(name for name in sys.modules if name.startswith(CONTROLLER_MODULES)),
+        "registered": "monarch" in StrategyRegistry,
+        "fault_hook": monarch.actor.unhandled_fault_hook.__module__,
+        "accelerator_routed": getattr(_AcceleratorConnector.__init__, "__lightning_monarch__", False),
+    }
+
+
+class LayoutProbe(Actor):
+    @endpoint
+    def report(self) -> dict[str, Any]:
+        return side_effects()

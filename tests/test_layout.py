@@ -1,0 +1,50 @@
+"""Which code runs where, at import time: a worker process imports the shared modules and
+``worker/`` only, and the controller's install step (strategy registry, accelerator routing,
+Monarch's fault hook) runs in the controller alone (``controller/install.py``).
+
+Real processes: a fit on two Monarch workers, then a probe actor in the same worker processes
+reports their ``sys.modules`` and the state the install step would have changed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+
+from lightning_monarch.controller.pool import MESHES
+from tests.layout_probe import LayoutProbe, side_effects
+from tests.models import Classifier
+
+
+def test_workers_import_no_controller_module_and_install_nothing(tmp_path: Path) -> None:
+    trainer = L.Trainer(
+        strategy="monarch",
+        devices=2,
+        max_steps=2,
+        limit_val_batches=1,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+    )
+    trainer.fit(Classifier())
+    assert MESHES._idle is not None, "the fit kept no warm mesh to probe"
+    mesh = MESHES._idle[1]
+    try:
+        probe = mesh._procs.spawn("layout_probe", LayoutProbe)
+        reports = list(probe.report.call().get(timeout=60).values())
+    finally:
+        MESHES.stop()
+    assert len(reports) == 2
+    for report in reports:
+        assert "lightning_monarch.worker.actor" in report["modules"]
+        assert "lightning_monarch.worker.stage" in report["modules"]
+        assert report["controller_modules"] == []
+        assert not report["registered"]
+        assert not report["fault_hook"].startswith("lightning_monarch")
+        assert not report["accelerator_routed"]
+    # the same probe, in this process, finds everything the controller's install step does
+    here = side_effects()
+    assert "lightning_monarch.controller.install" in here["controller_modules"]
+    assert here["registered"]
+    assert here["fault_hook"] == "lightning_monarch.controller.install"
+    assert here["accelerator_routed"]
