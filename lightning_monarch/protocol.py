@@ -491,6 +491,8 @@ class Entry:
     loader_lengths: Optional[dict[str, list[Optional[int]]]] = None
     #: Arrival, when changed: per stage, how many batches the loop's data fetcher has taken.
     fetched_batches: Optional[dict[str, int]] = None
+    #: The warnings rank 0 showed since its last entry (``worker.held_warnings``).
+    warnings: list[WorkerWarning] = field(default_factory=list)
     failure: Optional[WorkerFailure] = None
 
 
@@ -584,6 +586,18 @@ class WorkerFailure:
             message=str(error),
             traceback="".join(traceback.format_exception(error)),
         )
+
+
+@dataclass(frozen=True)
+class WorkerWarning:
+    """A Python warning a worker process showed, held for the controller to show once
+    (``worker.held_warnings``, ``controller.worker_warnings``): what ``warnings.showwarning`` got,
+    the class named ``module:qualname``."""
+
+    category: str
+    message: str
+    filename: str
+    lineno: int
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,9 @@ class MonarchStrategy(ParallelStrategy):
         aggregate_window_sec: with ``hosts``, Monarch forwards what the workers print to this
             process and shows lines printed alike within this many seconds once, with their count;
             ``None`` shows every line at once, prefixed with its rank. Workers on this host print
-            to this process's terminal directly, as ``ddp``'s ranks do.
+            to this process's terminal directly, as ``ddp``'s ranks do. The workers' Python
+            warnings come to this process and show once each, naming the ranks that raised one
+            when rank 0 did not; with ``None`` every worker prints its own, as ``ddp``'s ranks do.
         process_group_backend: the workers' ``torch.distributed`` backend; by default ``gloo`` on
             CPU and ``nccl`` on GPUs (RCCL on a ROCm build of torch).
         worker_callbacks: callbacks that need live parameters or gradients; they run on every worker.
@@ -210,6 +212,7 @@ class MonarchStrategy(ParallelStrategy):
             gpu_indices,
             self._pins_here(gpu_indices),
             WorkerOutput(self.aggregate_window_sec) if self._host_mesh is not None else None,
+            hold_warnings=self.aggregate_window_sec is not None,
         )
 
     def _pins_here(self, gpu_indices: Optional[tuple[int, ...]]) -> Optional[tuple[tuple[str, str], ...]]:

@@ -9,6 +9,7 @@ failure or interrupt it is stopped.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -32,11 +33,14 @@ from lightning_monarch.controller.payload import pack_for_workers
 from lightning_monarch.controller.plan import make_plan, states_can_travel
 from lightning_monarch.controller.pool import MESHES
 from lightning_monarch.controller.session import StageSession
+from lightning_monarch.controller.worker_warnings import WorkerWarnings
 from lightning_monarch.gates import install_hook_gates
 from lightning_monarch.protocol import LoaderRef, LoggerIdentity, StageSpec, TrainerConfig
 
 if TYPE_CHECKING:
     from lightning_monarch.strategy import MonarchStrategy
+
+log = logging.getLogger(__name__)
 
 _TRAINER_FN = {
     "fit": TrainerFn.FITTING,
@@ -94,6 +98,7 @@ class MonarchLauncher(lightning_compat.Launcher):
         key = self._strategy._mesh_key()
         mesh = MESHES.acquire(key)
         mesh.step_timeout = self._strategy.step_timeout
+        warned = WorkerWarnings(mesh.num_workers)
         ended_cleanly = False
         snapshots: Optional[SnapshotDirectory] = None
         channel: Optional[StageChannel] = None
@@ -112,6 +117,7 @@ class MonarchLauncher(lightning_compat.Launcher):
                 spec.run_ahead,
                 self._snapshot_every(),
                 sharded=spec.trainer.sharding is not None,
+                warned=warned,
             )
             self._strategy._attach(session)
             with session.installed():
@@ -119,6 +125,7 @@ class MonarchLauncher(lightning_compat.Launcher):
                     arguments[name] = plan_loaders(LoaderRef.describe(value), loader_args[name], session.loaders)
                 result = function(**arguments)
                 session.finish(stage)
+            warned.show_every_rank(mesh.take_warnings())
             if stage == "predict" and result is not None:
                 batch_sizes = [
                     getattr(loader, "batch_size", None) for loader in tree_flatten(trainer.predict_dataloaders)[0]
@@ -126,7 +133,9 @@ class MonarchLauncher(lightning_compat.Launcher):
                 result = session.predictions.in_dataset_order(len(trainer.num_predict_batches), batch_sizes)
             ended_cleanly = True
             return result
-        except BaseException:
+        except BaseException as error:
+            if isinstance(error, Exception):  # not on an interrupt: the user wants out
+                _show_held_warnings(warned, mesh)
             self._strategy._keep_until_exception_handled(silence)
             silence = None
             raise
@@ -216,6 +225,15 @@ def _script_dir() -> Optional[str]:
     """The folder of the script the user ran: on its ``sys.path``, as it would be under torchrun."""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     return os.path.dirname(os.path.abspath(main_file)) if main_file else None
+
+
+def _show_held_warnings(warned: WorkerWarnings, mesh: Any) -> None:
+    """After a failed stage, before its mesh stops: the warnings the ranks still hold. Showing
+    them must not hide the failure (a warning filter may turn one into an error here)."""
+    try:
+        warned.show_every_rank(mesh.take_warnings())
+    except Exception as error:
+        log.debug("The workers' warnings after a failed stage could not be shown: %s", error)
 
 
 def _skip(gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:

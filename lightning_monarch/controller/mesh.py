@@ -31,6 +31,7 @@ from lightning_monarch.protocol import (
     PredictionShard,
     PreflightSpec,
     RankStatus,
+    RankValue,
     WorkerFailure,
     WorkerReport,
 )
@@ -48,6 +49,9 @@ _PING_TIMEOUT_S = 5.0
 #: first as the survivors' gloo/NCCL error, and the report of a death on another host came 10 s
 #: after it in ``benchmarks/death_report.py``.
 _SUPERVISION_GRACE_S = 20.0
+#: How long the controller waits for the warnings the ranks hold at the end of a stage: every rank
+#: answers at once, but after a failure one may be dead, or busy with a request that never ends.
+_TAKE_WARNINGS_S = 3.0
 #: What a survivor's error says when a peer of its collective is gone (gloo's and NCCL's words).
 _PEER_LOST = re.compile(r"closed by peer|reset by peer|remote worker|NCCL|RCCL|Connection refused|Broken pipe", re.I)
 
@@ -89,6 +93,7 @@ class WorkerMesh:
         per_host: int,
         gpu_indices: Optional[tuple[int, ...]] = None,
         output: Optional[WorkerOutput] = None,
+        hold_warnings: bool = True,
     ) -> None:
         """A mesh not yet started; :meth:`spawn` starts one."""
         self.num_workers = per_host * host_count(hosts)
@@ -96,6 +101,7 @@ class WorkerMesh:
         self._per_host = per_host
         self._gpu_indices = gpu_indices
         self._output = output
+        self._hold_warnings = hold_warnings
         self._procs: Optional[ProcMesh] = None
         #: How long a message may wait for the workers before they count as hung; ``None`` waits.
         self.step_timeout: Optional[float] = None
@@ -111,11 +117,14 @@ class WorkerMesh:
         gpu_indices: Optional[tuple[int, ...]] = None,
         hosts: Optional[HostMesh] = None,
         output: Optional[WorkerOutput] = None,
+        hold_warnings: bool = True,
     ) -> WorkerMesh:
         """Start, on each of ``hosts`` (by default this host), ``per_host`` worker processes, GPU
         workers pinned to the ``devices=`` index of their local rank in ``gpu_indices``, and their
-        torch elastic environment; ``output`` forwards what workers on other hosts print."""
-        mesh = cls(hosts if hosts is not None else this_host(), per_host, gpu_indices, output)
+        torch elastic environment; ``output`` forwards what workers on other hosts print, and with
+        ``hold_warnings`` the workers hold their Python warnings for the controller to show once
+        (``worker.held_warnings``)."""
+        mesh = cls(hosts if hosts is not None else this_host(), per_host, gpu_indices, output, hold_warnings)
         mesh._start()
         return mesh
 
@@ -125,7 +134,7 @@ class WorkerMesh:
         local rank; then a ``MonarchWorker`` in each, which says who it is. Workers on other hosts
         forward their output here (``WorkerOutput``)."""
         bootstrap = functools.partial(
-            start_worker_process, f"lightning_monarch-{uuid.uuid4().hex[:12]}", self._gpu_indices
+            start_worker_process, f"lightning_monarch-{uuid.uuid4().hex[:12]}", self._gpu_indices, self._hold_warnings
         )
         WorkerOutput.forward_new_processes(self._output is not None)
         procs = self._hosts.spawn_procs(per_host={LOCAL_DIMENSION: self._per_host}, bootstrap=bootstrap)
@@ -231,6 +240,23 @@ class WorkerMesh:
             return []
         least = min(done.values())
         return [rank for rank, gates in done.items() if gates > least]
+
+    def take_warnings(self) -> list[RankValue]:
+        """The warnings every rank holds (``worker.held_warnings``), as many as answer within
+        :data:`_TAKE_WARNINGS_S`: after a failure a rank may be dead, or busy with a request that
+        never ends, and its warnings go with it."""
+        if self._procs is None:
+            return []
+        deadline = time.monotonic() + _TAKE_WARNINGS_S
+        answers = []
+        for future in self._workers.take_warnings.stream():  # the first answer to arrive, then the next
+            try:
+                answers.append(future.get(timeout=max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                break
+            except Exception:  # a dead rank's answer: Monarch's report of its death
+                continue
+        return answers
 
     def grant(self, batches: int) -> None:
         """Tell every worker that the controller took ``batches`` batch starts (R4)."""

@@ -47,6 +47,9 @@ class MeshKey:
     pins: Optional[tuple[tuple[str, str], ...]] = None
     #: How the output of workers on other hosts reaches the controller; ``None`` on this host.
     output: Optional[WorkerOutput] = None
+    #: Whether the workers hold their Python warnings for the controller to show once
+    #: (``worker.held_warnings``), which each process sets up when it starts.
+    hold_warnings: bool = True
     host_identity: Optional[int] = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -71,7 +74,7 @@ class MeshPool:
                 return mesh
             else:  # a worker that does not answer may be stuck and would not stop when asked
                 mesh.stop(kill=True)
-        return WorkerMesh.spawn(key.per_host, key.gpu_indices, key.hosts, key.output)
+        return WorkerMesh.spawn(key.per_host, key.gpu_indices, key.hosts, key.output, key.hold_warnings)
 
     def release(self, key: MeshKey, mesh: WorkerMesh, keep: bool, failed: bool) -> None:
         """Take ``mesh`` back after a stage: keep it warm if ``keep`` and the stage did not fail,

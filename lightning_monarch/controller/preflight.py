@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     import lightning as L
 
     from lightning_monarch.controller.pool import MESHES
+    from lightning_monarch.controller.worker_warnings import WorkerWarnings
     from lightning_monarch.strategy import MonarchStrategy
 
     strategy = MonarchStrategy(hosts=args.hosts, process_group_backend=args.process_group_backend, keep_warm=False)
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         print(error)
         return 1
     finally:
+        WorkerWarnings(mesh.num_workers).show_every_rank(mesh.take_warnings())  # what the workers held
         MESHES.release(key, mesh, keep=False, failed=False)
     print(table(reports, args.all_reduce_mib))
     return 0

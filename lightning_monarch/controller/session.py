@@ -39,6 +39,7 @@ from lightning_monarch.controller.plan import (
     states_can_travel,
 )
 from lightning_monarch.controller.predictions import PredictionCollector
+from lightning_monarch.controller.worker_warnings import WorkerWarnings
 from lightning_monarch.errors import DivergenceError, WorkerError
 from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.protocol import (
@@ -73,6 +74,7 @@ class StageSession:
         plan: RunAhead,
         snapshot_every_n_epochs: Optional[int] = None,
         sharded: bool = False,
+        warned: Optional[WorkerWarnings] = None,
     ) -> None:
         self._trainer = trainer
         self._channel = channel
@@ -84,6 +86,8 @@ class StageSession:
         self._gate_callback = GateCallback(self.around)
         self._plan = plan
         self._snapshot_every = snapshot_every_n_epochs
+        #: Shows rank 0's warnings as its entries are taken (``controller.worker_warnings``).
+        self._warned = warned if warned is not None else WorkerWarnings(channel.mesh.num_workers)
         #: Entries fetched and not taken yet, and the last one taken.
         self._entries: deque[Entry] = deque()
         self._current: Optional[Entry] = None
@@ -260,6 +264,7 @@ class StageSession:
         entry = self._entries[0]
         if entry.gate is None:
             if entry.failure is not None:
+                self._warned.show_rank0(entry.warnings)
                 raise WorkerError(entry.failure)
             if self._ended is None:
                 raise DivergenceError(
@@ -279,6 +284,7 @@ class StageSession:
 
     def _apply(self, entry: Entry) -> None:
         trainer = self._trainer
+        self._warned.show_rank0(entry.warnings)
         for name, value in entry.control.items():
             setattr(trainer, name, value)
         for call in entry.logger_calls:

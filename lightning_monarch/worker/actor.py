@@ -35,6 +35,7 @@ from lightning_monarch.protocol import (
     WorkerReport,
 )
 from lightning_monarch.worker.checkpoints import save_shards
+from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.loop import StageLoop
 from lightning_monarch.worker.preflight import inspect_worker
 from lightning_monarch.worker.sharding import full_state_dict, is_sharded
@@ -119,6 +120,12 @@ class MonarchWorker(Actor):
         """How far this rank's stage got, and why it failed, if it did; answered at once: the
         controller asks while it waits for rank 0."""
         return self._stage.status() if self._stage is not None else RankStatus(self._rank, 0)
+
+    @endpoint
+    def take_warnings(self) -> RankValue:
+        """The warnings this process showed and holds (``worker.held_warnings``): on rank 0 those
+        since its last entry, on the other ranks those since the last stage's end. Answered at once."""
+        return RankValue(self._rank, HELD.take())
 
     @endpoint
     def predictions(self) -> Union[bytes, WorkerFailure]:

@@ -15,6 +15,7 @@ the endpoint thread hands over grants, releases and out-of-band requests, and ta
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 from collections import deque
@@ -41,6 +42,7 @@ from lightning_monarch.protocol import (
 )
 from lightning_monarch.worker.describe import describe_result, worker_side_result
 from lightning_monarch.worker.entries import EntryRecorder
+from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.state import RankState
 
 
@@ -286,8 +288,12 @@ class StageLoop:
             )
 
     def _publish(self, entry: Entry) -> None:
+        """Rank 0: hand ``entry`` to the endpoint thread, with the warnings this process showed since
+        the last one, for the controller to show where its loop takes the entry. The other ranks
+        keep theirs until the stage ends."""
         if self._rank != 0:
             return
+        entry = dataclasses.replace(entry, warnings=HELD.take())
         with self._cond:
             self._entries.append(entry)
             self._cond.notify_all()
@@ -331,6 +337,8 @@ class StageLoop:
                     " sync gate: the two Lightning loops diverged."
                 )
                 end = Entry(None, failure=WorkerFailure.capture(divergence, self._rank, self._gate))
+        if self._rank == 0:
+            end = dataclasses.replace(end, warnings=HELD.take())
         with self._cond:
             self._ended = end
             # requests for the end of the stage that came while this rank was finishing it (R5)
