@@ -1,5 +1,7 @@
 """The doors to private APIs (``lightning_monarch/_compat/``): every private name they list still
-exists in the installed Lightning, Monarch, torch and Python, and no module outside them uses one.
+exists in the installed Lightning, Monarch, torch and Python, and no module outside them uses one:
+neither a private module, class or function of those libraries nor a private attribute of their
+objects (a private attribute that the package does not define itself).
 
 An upgrade that removes or renames a private name fails here, naming it, rather than deep inside a
 run. Objects are real: a Trainer after a short fit, a ModelCheckpoint, a checkpoint wrapper, a
@@ -119,6 +121,62 @@ def test_no_private_name_of_a_guarded_library_outside_the_doors() -> None:
         for use in _private_uses(path.read_text(), str(path.relative_to(ROOT)))
     ]
     assert not uses, "private names outside lightning_monarch/_compat/:\n" + "\n".join(uses)
+
+
+def _our_names(sources: list[str]) -> set[str]:
+    """Every name the package defines itself: functions, classes, variables, arguments, imports,
+    and attributes it sets on ``self``/``cls`` (or marks with its own ``_lightning_monarch`` prefix)."""
+    names = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.alias):
+                names.add(node.asname or node.name.split(".")[0])
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if node.attr.startswith("_lightning_monarch") or (
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                ):
+                    names.add(node.attr)
+    return names
+
+
+def _foreign_private_attributes(source: str, where: str, ours: set[str]) -> list[str]:
+    """``obj._name`` in ``source`` where ``_name`` is no name of the package's own: a private
+    attribute of another library's object (``trainer._logger_connector``)."""
+    return [
+        f"{where}:{node.lineno} {ast.unparse(node)}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and node.attr not in ours
+    ]
+
+
+def test_no_private_attribute_of_another_librarys_object_outside_the_doors() -> None:
+    paths = sorted(PACKAGE.rglob("*.py"))
+    ours = _our_names([path.read_text() for path in paths])
+    uses = [
+        use
+        for path in paths
+        if "_compat" not in path.parts
+        for use in _foreign_private_attributes(path.read_text(), str(path.relative_to(ROOT)), ours)
+    ]
+    assert not uses, "private attributes of Lightning's, torch's or Monarch's objects outside _compat/:\n" + "\n".join(
+        uses
+    )
+
+
+def test_the_attribute_scan_finds_a_foreign_private_attribute() -> None:
+    source = "class A:\n    def f(self, trainer):\n        self._mine = 1\n        return trainer._logger_connector, self._mine\n"
+    assert _foreign_private_attributes(source, "probe.py", _our_names([source])) == [
+        "probe.py:4 trainer._logger_connector"
+    ]
 
 
 @pytest.mark.parametrize(
