@@ -13,8 +13,8 @@ from pathlib import Path
 import lightning as L
 
 from lightning_monarch.controller.pool import MESHES
-from tests.layout_probe import LayoutProbe, side_effects
 from tests.models import Classifier
+from tests.worker_probe import WorkerProbe, side_effects
 
 
 def test_workers_import_no_controller_module_and_install_nothing(tmp_path: Path) -> None:
@@ -30,8 +30,8 @@ def test_workers_import_no_controller_module_and_install_nothing(tmp_path: Path)
     assert MESHES._idle is not None, "the fit kept no warm mesh to probe"
     mesh = MESHES._idle[1]
     try:
-        probe = mesh._procs.spawn("layout_probe", LayoutProbe)
-        reports = list(probe.report.call().get(timeout=60).values())
+        probe = mesh._procs.spawn("worker_probe", WorkerProbe)
+        reports = list(probe.side_effects.call().get(timeout=60).values())
     finally:
         MESHES.stop()
     assert len(reports) == 2

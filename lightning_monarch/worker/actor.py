@@ -47,6 +47,10 @@ class MonarchWorker(Actor):
     """Runs in each worker process: one DDP rank, driven stage by stage by the controller."""
 
     def __init__(self) -> None:
+        # What the process holds by now (torch, Lightning, Monarch: some 400,000 objects) lives as
+        # long as it does: out of the cyclic garbage collector's sight, the collection at each
+        # stage's end walks what the stage made only (a few ms instead of some 200 ms).
+        gc.freeze()
         self._stage: Optional[StageLoop] = None
         #: The last stage's module if it was sharded: its shards exist nowhere else.
         self._shards: Optional[LightningModule] = None

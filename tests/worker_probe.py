@@ -1,4 +1,5 @@
-"""An actor that reports what a worker process has imported and installed (``test_layout.py``).
+"""An actor that reports on the worker process it is spawned in: what it imported and installed
+(``test_layout.py``), and what its garbage collector walks (``test_warm_mesh.py``).
 
 It imports nothing of lightning_monarch itself, so that what it finds is what the worker's own
 start-up and stages imported.
@@ -6,6 +7,7 @@ start-up and stages imported.
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Any
 
@@ -35,7 +37,12 @@ def side_effects() -> dict[str, Any]:
     }
 
 
-class LayoutProbe(Actor):
+class WorkerProbe(Actor):
     @endpoint
-    def report(self) -> dict[str, Any]:
+    def side_effects(self) -> dict[str, Any]:
         return side_effects()
+
+    @endpoint
+    def garbage_collector(self) -> dict[str, int]:
+        """How many objects the cyclic garbage collector leaves out (``gc.freeze``) and walks."""
+        return {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())}
