@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -43,6 +44,19 @@ def worker_processes() -> list[psutil.Process]:
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):  # ended, or not ours to read
             continue
     return found
+
+
+def probe_warm_workers(endpoint: str) -> list[Any]:
+    """Every worker's answer to ``WorkerProbe.<endpoint>`` (``tests/worker_probe.py``), from a
+    probe actor spawned in the processes of the warm mesh the last stage kept; then stops it."""
+    from tests.worker_probe import WorkerProbe
+
+    assert MESHES._idle is not None, "the last stage kept no warm mesh to probe"
+    try:
+        probe = MESHES._idle[1]._procs.spawn("worker_probe", WorkerProbe)
+        return list(getattr(probe, endpoint).call().get(timeout=60).values())
+    finally:
+        MESHES.stop()
 
 
 def stray_workers() -> list[psutil.Process]:

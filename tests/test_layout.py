@@ -12,9 +12,9 @@ from pathlib import Path
 
 import lightning as L
 
-from lightning_monarch.controller.pool import MESHES
+from tests.conftest import probe_warm_workers
 from tests.models import Classifier
-from tests.worker_probe import WorkerProbe, side_effects
+from tests.worker_probe import side_effects
 
 
 def test_workers_import_no_controller_module_and_install_nothing(tmp_path: Path) -> None:
@@ -27,13 +27,7 @@ def test_workers_import_no_controller_module_and_install_nothing(tmp_path: Path)
         enable_progress_bar=False,
     )
     trainer.fit(Classifier())
-    assert MESHES._idle is not None, "the fit kept no warm mesh to probe"
-    mesh = MESHES._idle[1]
-    try:
-        probe = mesh._procs.spawn("worker_probe", WorkerProbe)
-        reports = list(probe.side_effects.call().get(timeout=60).values())
-    finally:
-        MESHES.stop()
+    reports = probe_warm_workers("side_effects")
     assert len(reports) == 2
     for report in reports:
         assert "lightning_monarch.worker.actor" in report["modules"]

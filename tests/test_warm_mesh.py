@@ -17,9 +17,8 @@ import pytest
 import lightning_monarch
 from lightning_monarch import MonarchStrategy
 from lightning_monarch.controller.pool import MESHES
-from tests.conftest import ROOT, worker_processes
+from tests.conftest import ROOT, probe_warm_workers, worker_processes
 from tests.models import Classifier
-from tests.worker_probe import WorkerProbe
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -55,12 +54,7 @@ def test_a_warm_workers_garbage_collection_leaves_out_what_the_process_imported(
     """The collection at a stage's end walks what stages made, not the ~400,000 objects of torch,
     Lightning and Monarch (``gc.freeze`` when the worker actor starts): some 200 ms per stage."""
     _trainer().fit(Classifier())
-    assert MESHES._idle is not None
-    try:
-        probe = MESHES._idle[1]._procs.spawn("worker_probe", WorkerProbe)
-        counts = list(probe.garbage_collector.call().get(timeout=60).values())
-    finally:
-        MESHES.stop()
+    counts = probe_warm_workers("garbage_collector")
     assert len(counts) == 2
     for count in counts:
         assert count["frozen"] > 100_000, count
