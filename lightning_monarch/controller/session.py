@@ -82,7 +82,7 @@ class StageSession:
         self._sharded = sharded
         self._worker_callbacks = worker_callbacks
         self._module = module
-        self._objects = {"module": module, "datamodule": datamodule}
+        self._datamodule = datamodule
         self._gate_callback = GateCallback(self.around)
         self._plan = plan
         self._snapshot_every = snapshot_every_n_epochs
@@ -122,7 +122,7 @@ class StageSession:
     @contextmanager
     def installed(self) -> Iterator[StageSession]:
         """Gates, the metrics mirror, the gate callback and the callback wrappers for the stage."""
-        module, datamodule = self._module, self._objects["datamodule"]
+        module, datamodule = self._module, self._datamodule
         self._undo = [install_hook_gates(module, "module", MODULE_HOOKS, self.around)]
         if datamodule is not None:
             self._undo.append(install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, self.around))
@@ -166,7 +166,9 @@ class StageSession:
         """Lightning's own implementation of a gated hook, bound to the controller's object; for a
         callback gate, the gate's no-op ``fn``."""
         owner, hook = gate.split(".", 1)
-        return getattr(_BASES[owner], hook).__get__(self._objects[owner]) if owner in _BASES else fn
+        if owner not in _BASES:
+            return fn
+        return getattr(_BASES[owner], hook).__get__(self._module if owner == "module" else self._datamodule)
 
     def _nested(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         assert self._replay is not None
