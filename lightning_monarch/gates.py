@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from lightning.pytorch import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_monarch.protocol import CALLBACK_HOOKS, gate_id
+from lightning_monarch.protocol import CALLBACK_HOOKS, GATES, gate_id
 
 _ABSENT = object()
 
@@ -25,7 +26,8 @@ Around = Callable[[str, Callable[..., Any], tuple, dict], Any]
 
 
 def install_hook_gates(obj: Any, owner: str, hooks: Iterable[str], around: Around) -> Callable[[], None]:
-    """Route each of ``hooks`` on the instance ``obj`` through ``around``; returns the undo.
+    """Route each of ``hooks`` on the instance ``obj`` through ``around``; returns the undo. An
+    elidable hook (``protocol.Gate.elidable``) that ``obj`` does not override stays as it is.
 
     The wrappers live in the instance's ``__dict__`` only, so the class and other instances are
     untouched and the undo restores the object exactly.
@@ -34,6 +36,9 @@ def install_hook_gates(obj: Any, owner: str, hooks: Iterable[str], around: Aroun
     for hook in hooks:
         bound = getattr(obj, hook, None)
         if bound is None or getattr(bound, "_lightning_monarch_gate", False):
+            continue
+        gate = GATES.get(gate_id(owner, hook))
+        if gate is not None and gate.elidable and not is_overridden(hook, obj):
             continue
         installed.append((hook, vars(obj).get(hook, _ABSENT)))
         vars(obj)[hook] = _gated(gate_id(owner, hook), bound, around)

@@ -10,8 +10,9 @@ R1. The controller runs Lightning's real loop for the stage; every worker runs L
     a loop thread. Both get the same flags, so both reach the same hooks in the same order. The
     workers make every one of Lightning's decisions (when to validate, to stop, to step the
     optimizer); the controller's loop follows them.
-R2. A *gate* is a top-level call of a hook in :data:`GATES`. Hooks called while another gated
-    hook runs are *nested* and never gate.
+R2. A *gate* is a top-level call of a hook in :data:`GATES`, but of an elidable one
+    (:attr:`Gate.elidable`) that the user's object does not override. Hooks called while another
+    gated hook runs are *nested* and never gate.
 R3. At each gate every worker runs the hook; rank 0 then records an :class:`Entry`: what the
     controller needs of that gate (the result where :data:`GATES` says the controller uses it, the
     nested results, the control state after it, the logger calls made since the last entry, ...).
@@ -83,6 +84,16 @@ DATAMODULE_HOOKS: tuple[str, ...] = (
     "on_after_batch_transfer",
 )
 
+#: The module's hooks that switch it to and from evaluation mode around an evaluation loop.
+_MODEL_MODE_HOOKS: tuple[str, ...] = (
+    "on_validation_model_zero_grad",
+    "on_validation_model_eval",
+    "on_validation_model_train",
+    "on_test_model_eval",
+    "on_test_model_train",
+    "on_predict_model_eval",
+)
+
 #: Hooks of a ``LightningModule`` that gate (R2). ``on_save_checkpoint`` is absent: the controller
 #: calls it while it writes a checkpoint, which the workers never do, so it runs out of band.
 MODULE_HOOKS: tuple[str, ...] = (
@@ -93,12 +104,9 @@ MODULE_HOOKS: tuple[str, ...] = (
         "configure_model",
         "configure_sharded_model",
         "configure_optimizers",
-        "on_validation_model_zero_grad",
-        "on_validation_model_eval",
-        "on_validation_model_train",
-        "on_test_model_eval",
-        "on_test_model_train",
-        "on_predict_model_eval",
+    )
+    + _MODEL_MODE_HOOKS
+    + (
         "training_step",
         "validation_step",
         "test_step",
@@ -132,12 +140,44 @@ class Gate:
     #: Lightning calls it on some ranks only (``prepare_data``, on local rank 0): never a sync gate,
     #: since the other ranks never park there.
     rank_local: bool = False
+    #: A module or datamodule hook whose result the controller does not use, whose Lightning base
+    #: implementation changes nothing that either side must see at a gate (it moves a batch,
+    #: switches the module to eval mode, steps a scheduler, or does nothing), and after which no
+    #: sync gate or metric view may sit: where the user's object does not override it, neither
+    #: side gates it (``gates.install_hook_gates``), each side runs the base implementation as its
+    #: own loop calls it, and what the worker callbacks changed before it (logger calls, control
+    #: state) travels with the next gate, which the controller's loop reaches before it reads
+    #: them. Five such hooks run for every evaluation batch, three for every training batch.
+    elidable: bool = False
 
 
 _PLAIN = Gate()
 
 
+#: The module's and datamodule's hooks that go ungated where not overridden (:attr:`Gate.elidable`),
+#: with the model mode hooks.
+_ELIDABLE_HOOKS: tuple[str, ...] = (
+    "on_before_batch_transfer",
+    "transfer_batch_to_device",
+    "on_after_batch_transfer",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+    "configure_model",
+    "configure_sharded_model",
+    "optimizer_zero_grad",
+    "backward",
+    "configure_gradient_clipping",
+    "lr_scheduler_step",
+    "on_load_checkpoint",
+)
+
+
 def _gate_table() -> dict[str, Gate]:
+    hooks_of = {"module": MODULE_HOOKS, "datamodule": DATAMODULE_HOOKS}
     table = {
         gate_id(owner, hook): _PLAIN
         for owner, hooks in (("module", MODULE_HOOKS), ("datamodule", DATAMODULE_HOOKS), ("callback", CALLBACK_HOOKS))
@@ -152,7 +192,10 @@ def _gate_table() -> dict[str, Gate]:
     for owner in ("module", "datamodule"):
         for stage in ("train", "val", "test", "predict"):
             table[gate_id(owner, f"{stage}_dataloader")] = Gate(result="loaders")
-        table[gate_id(owner, "prepare_data")] = Gate(rank_local=True)
+        table[gate_id(owner, "prepare_data")] = Gate(rank_local=True, elidable=True)
+        for hook in _ELIDABLE_HOOKS + _MODEL_MODE_HOOKS:
+            if hook in hooks_of[owner]:
+                table[gate_id(owner, hook)] = Gate(elidable=True)
     for stage in ("train", "validation", "test", "predict"):
         table[gate_id("callback", f"on_{stage}_batch_start")] = Gate(batch_start=True)
     return table
@@ -493,6 +536,11 @@ class Entry:
     fetched_batches: Optional[dict[str, int]] = None
     #: The warnings rank 0 showed since its last entry (``worker.held_warnings``).
     warnings: list[WorkerWarning] = field(default_factory=list)
+    #: The end of a stage that ran to its end: rank 0's :class:`ModuleAttributes`, pickled with
+    #: cloudpickle (an attribute may be what only cloudpickle pickles, a lambda). That entry also
+    #: carries rank 0's final metric views in :attr:`views` and, after an unsharded ``fit``, its
+    #: final checkpoint state in :attr:`checkpoint`, so that the controller asks for none of them.
+    attributes: Optional[bytes] = None
     failure: Optional[WorkerFailure] = None
 
 

@@ -48,12 +48,15 @@ def worker_processes() -> list[psutil.Process]:
 
 def probe_warm_workers(endpoint: str) -> list[Any]:
     """Every worker's answer to ``WorkerProbe.<endpoint>`` (``tests/worker_probe.py``), from a
-    probe actor spawned in the processes of the warm mesh the last stage kept; then stops it."""
+    probe actor spawned in the processes of the warm mesh the last stage kept, once the workers
+    have dropped that stage (as the next stage finds them); then stops it."""
     from tests.worker_probe import WorkerProbe
 
     assert MESHES._idle is not None, "the last stage kept no warm mesh to probe"
     try:
-        probe = MESHES._idle[1]._procs.spawn("worker_probe", WorkerProbe)
+        mesh = MESHES._idle[1]
+        assert mesh.answers(), "the warm mesh's workers do not answer"
+        probe = mesh._procs.spawn("worker_probe", WorkerProbe)
         return list(getattr(probe, endpoint).call().get(timeout=60).values())
     finally:
         MESHES.stop()

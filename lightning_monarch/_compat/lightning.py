@@ -7,10 +7,11 @@ When Lightning changes one of these, this file is the only one to change.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -19,7 +20,9 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.connectors import callback_connector
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+from lightning.pytorch.trainer.connectors.callback_connector import _load_external_callbacks
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import LRSchedulerTypeTuple
@@ -53,6 +56,7 @@ __all__ = [
     "stage_of",
     "stored_metrics",
     "trainer_flags",
+    "without_external_callbacks",
 ]
 
 #: The Lightning release this door was last checked against.
@@ -139,6 +143,26 @@ def trainer_flags(trainer: Trainer) -> dict[str, Any]:
         detect_anomaly=trainer._detect_anomaly,
     )
     return flags
+
+
+@contextlib.contextmanager
+def without_external_callbacks() -> Iterator[None]:
+    """Build Trainers that load no callbacks from installed packages' entry points (the
+    ``lightning.pytorch.callbacks_factory`` group).
+
+    Runs in each worker, around its Trainer's construction. Those callbacks are the controller's:
+    its own Trainer loaded them and runs them once. Loading them again reads the metadata of every
+    installed distribution, some 10 ms on every stage of a warm worker.
+    """
+    callback_connector._load_external_callbacks = _no_external_callbacks
+    try:
+        yield
+    finally:
+        callback_connector._load_external_callbacks = _load_external_callbacks
+
+
+def _no_external_callbacks(group: str) -> list[Any]:
+    return []
 
 
 def carry_fit_progress(trainer: Trainer, state: dict[str, Any]) -> None:

@@ -162,8 +162,10 @@ class WorkerMesh:
         return by_rank(self._gather(self._workers.preflight.stream(spec)))
 
     def end_stage(self) -> None:
-        """Let every rank drop the finished stage's Trainer, module and data."""
-        self._gather(self._workers.end_stage.stream())
+        """Let every rank drop the finished stage's Trainer, module and data, without waiting:
+        Monarch delivers an actor's messages in order, so the next stage's first message (the
+        :class:`MeshPool`'s check that every worker answers) finds the stage dropped."""
+        self._workers.end_stage.broadcast()
 
     def answers(self) -> bool:
         """Whether every worker process still answers (an idle mesh may have lost one)."""

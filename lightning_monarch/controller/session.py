@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
 
+import cloudpickle
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
@@ -52,6 +53,7 @@ from lightning_monarch.protocol import (
     SNAPSHOT_GATE,
     CheckpointState,
     Entry,
+    ModuleAttributes,
     RankStats,
     Release,
     RunAhead,
@@ -254,7 +256,8 @@ class StageSession:
         an error if the controller's loop expected another gate."""
         idle = 0
         while not self._entries:
-            self._grant()
+            if idle:  # the workers sent nothing: they may wait for credit (R4)
+                self._grant()
             fetched = self._channel.fetch()
             idle = 0 if fetched else idle + 1
             if idle > 2:
@@ -477,12 +480,13 @@ class StageSession:
                 " the stage: the two Lightning loops diverged."
             )
         self._apply(entry)
+        for view in METRIC_VIEWS:
+            getattr(self._trainer, view)  # rank 0's final views, which the end entry carries
         self._current, self._views = None, None
         self._channel.close()
-        for view in METRIC_VIEWS:
-            getattr(self._trainer, view)
         module = self._module
-        attributes = self._channel.ask_rank0("module_attributes")
+        assert entry.attributes is not None  # rank 0's end entry of a stage that ran to its end has them
+        attributes: ModuleAttributes = cloudpickle.loads(entry.attributes)
         vars(module).update(attributes.values)
         if attributes.dropped:
             reasons = "; ".join(f"`{name}` ({why})" for name, why in sorted(attributes.dropped.items()))
@@ -497,7 +501,8 @@ class StageSession:
         if stage == "fit" and self._sharded:
             module.to("meta")
         elif stage == "fit":
-            self.final_state = self._channel.ask_rank0("checkpoint_state")
+            assert entry.checkpoint is not None  # the end entry of an unsharded ``fit`` has it
+            self.final_state = entry.checkpoint
             if set(self.final_state.model) != set(module.state_dict()):
                 # ``configure_model`` changed the module on the workers (compiled, wrapped or grew
                 # layers): the controller's module takes rank 0's submodules, as DDP's rank 0 has them.

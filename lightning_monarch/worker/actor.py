@@ -23,7 +23,6 @@ from monarch.actor import Actor, endpoint
 from lightning_monarch.protocol import (
     CheckpointState,
     Grant,
-    ModuleAttributes,
     PreflightSpec,
     RankSnapshot,
     RankStats,
@@ -191,11 +190,6 @@ class MonarchWorker(Actor):
             except BaseException as error:
                 return self._failure(error, what)
         return self._out_of_band(lambda state: fn(state.module), what)
-
-    @endpoint
-    def module_attributes(self) -> Union[ModuleAttributes, WorkerFailure]:
-        """The public Python attributes of this rank's module (see ``RankState.module_attributes``)."""
-        return self._out_of_band(lambda state: state.module_attributes(), "module attributes")
 
     @endpoint
     def module_children(self) -> Union[dict[str, Any], WorkerFailure]:

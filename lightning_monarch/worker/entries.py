@@ -7,9 +7,11 @@ controller shows. The other ranks record empty entries, but read what every rank
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import cloudpickle
 from lightning.pytorch import Trainer
 
 from lightning_monarch._compat import lightning as lightning_compat
@@ -35,11 +37,15 @@ class EntryRecorder:
     """Runs in each worker: this rank's entries, one per gate (R3); rank 0's carry what the
     controller learns of its Trainer between sync gates (R6)."""
 
-    def __init__(self, trainer: Trainer, rank: int, logger_calls: list[LoggerCall], state: RankState) -> None:
+    def __init__(
+        self, trainer: Trainer, rank: int, logger_calls: list[LoggerCall], state: RankState, final_state: bool = False
+    ) -> None:
         self._trainer = trainer
         self._rank = rank
         self._logger_calls = logger_calls
         self._state = state
+        #: Whether the stage's end entry carries rank 0's final checkpoint state (an unsharded ``fit``).
+        self._final_state = final_state
         self._eval_outputs: list[dict[str, Any]] = []
         lightning_compat.record_eval_epoch_metrics(trainer, self._eval_outputs.append)
         #: What the last entry carried of what is sent only when it changed.
@@ -56,7 +62,7 @@ class EntryRecorder:
         # the fetch counts matter for loaders without a length only, whose passes end where they do
         unsized = any(None in stage for stage in lengths.values())
         return Arrival(
-            eval_outputs=to_cpu(outputs),
+            eval_outputs=to_cpu(outputs) if outputs else [],
             loader_lengths=self._changed("loader_lengths", lengths),
             fetched_batches=lightning_compat.fetched_batches(self._trainer) if unsized else None,
         )
@@ -92,15 +98,35 @@ class EntryRecorder:
             param_groups=[param_group_hyperparameters(optimizer) for optimizer in self._trainer.optimizers]
             if gate in _PARAM_GROUP_GATES
             else None,
-            manual_steps=self._changed(
-                "manual_steps", lightning_compat.manual_step_progress(self._trainer).state_dict()
-            ),
+            manual_steps=self._manual_steps(),
             views=metric_views,
             checkpoint=self._state.checkpoint_state(copy=True) if staged else None,
             eval_outputs=arrival.eval_outputs,
             loader_lengths=arrival.loader_lengths,
             fetched_batches=arrival.fetched_batches,
         )
+
+    def end(self) -> Entry:
+        """The entry that ends a stage that ran to its end (R3). Every rank reads the metric views,
+        as they would be read where the controller's loop ends the stage; rank 0's entry carries
+        them, its module's attributes and, after an unsharded ``fit``, its final checkpoint state:
+        what the controller takes when the stage ends, in the message that ends it."""
+        entry = self.entry(None, self.arrival(), None, [], views=True)
+        if self._rank != 0:
+            return entry
+        return dataclasses.replace(
+            entry,
+            attributes=cloudpickle.dumps(self._state.module_attributes()),
+            checkpoint=self._state.checkpoint_state() if self._final_state else None,
+        )
+
+    def _manual_steps(self) -> Optional[dict[str, Any]]:
+        """Manual optimization's step count where it changed: in a training loop whose module
+        optimizes manually, the only place its optimizers step."""
+        trainer = self._trainer
+        if not trainer.training or trainer.lightning_module.automatic_optimization:
+            return None
+        return self._changed("manual_steps", lightning_compat.manual_step_progress(trainer).state_dict())
 
     def _changed(self, name: str, value: Any) -> Any:
         """``value`` if it differs from what the last entry carried under ``name``, else ``None``."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,12 @@ from lightning_monarch.worker.describe import describe_result, worker_side_resul
 from lightning_monarch.worker.entries import EntryRecorder
 from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.state import RankState
+
+#: How long rank 0 holds its entries for more once the controller asks for them, unless the
+#: controller needs them at once (``StageLoop.fetch``): a controller that keeps pace with the
+#: workers then fetches a few batches per message, not one, and spends its CPU on its loop. It
+#: delays what the controller shows by as much at most.
+FETCH_LINGER_S = 0.02
 
 
 @dataclass
@@ -80,8 +87,9 @@ class StageLoop:
         self._cond = threading.Condition()
         #: Releases and out-of-band requests, in the order the controller sent them.
         self._inbox: deque[Union[Release, _OutOfBand]] = deque()
-        #: Rank 0's entries that the controller has not fetched yet.
+        #: Rank 0's entries that the controller has not fetched yet, and when the first was recorded.
         self._entries: list[Entry] = []
+        self._first_entry_at = 0.0
         #: Whether the loop thread waits: parked at a sync gate, or for credit before a batch.
         self._parked = False
         self._credit_waiting = False
@@ -109,9 +117,13 @@ class StageLoop:
     def fetch(self) -> bytes:
         """Runs on the endpoint thread, rank 0: the entries recorded since the last fetch, as
         ``torch.save`` bytes (one serialization for the lot). Waits until there is one, or the loop
-        waits for the controller, or the stage ended (then the end entry comes last)."""
+        waits for the controller, or the stage ended (then the end entry comes last); and after the
+        first one, for more, until it is :data:`FETCH_LINGER_S` old, unless the controller needs
+        what it has now (the loop waits for it, the stage ended, an entry carries a checkpoint
+        state): a controller that keeps pace with the workers takes several batches per message."""
         with self._cond:
             self._cond.wait_for(lambda: self._entries or self._stuck() or self._ended is not None)
+            self._cond.wait_for(self._needed_now, timeout=self._first_entry_at + FETCH_LINGER_S - time.monotonic())
             entries, self._entries = self._entries, []
             self._cond.notify_all()  # rank 0 may wait to stage a checkpoint state (R6)
             if self._ended is not None:
@@ -119,6 +131,10 @@ class StageLoop:
         buffer = io.BytesIO()
         torch.save(entries, buffer)
         return buffer.getvalue()
+
+    def _needed_now(self) -> bool:
+        """Whether the controller needs the entries recorded so far at once (under the lock)."""
+        return self._stuck() or self._ended is not None or any(entry.checkpoint is not None for entry in self._entries)
 
     def _stuck(self) -> bool:
         """Whether the loop thread waits for something only the controller can send (under the
@@ -293,8 +309,12 @@ class StageLoop:
         keep theirs until the stage ends."""
         if self._rank != 0:
             return
-        entry = dataclasses.replace(entry, warnings=HELD.take())
+        shown = HELD.take()
+        if shown:
+            entry = dataclasses.replace(entry, warnings=shown)
         with self._cond:
+            if not self._entries:
+                self._first_entry_at = time.monotonic()
             self._entries.append(entry)
             self._cond.notify_all()
 
@@ -326,11 +346,11 @@ class StageLoop:
     def _main(self) -> None:
         try:
             self._run()
+            end = self._recorder.end()
         except BaseException as error:
             self._free_running = True
             end = Entry(None, failure=WorkerFailure.capture(error, self._rank, self._failed_gate or self._gate))
         else:
-            end = self._recorder.entry(None, self._recorder.arrival(), None, [])
             if any(isinstance(item, Release) for item in self._inbox):
                 divergence = DivergenceError(
                     f"Worker rank {self._rank} finished the stage while the controller still had it parked at a"

@@ -11,7 +11,6 @@ offload.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -84,7 +83,8 @@ def shard_in_configure_model(module: LightningModule, spec: ShardingSpec) -> Non
     configure_model: Callable[[], Any] = module.configure_model
     builds_submodules = is_overridden("configure_model", module, LightningModule)
 
-    @functools.wraps(configure_model)
+    # not ``functools.wraps``: Lightning's ``is_overridden`` would follow ``__wrapped__`` to the
+    # base hook where the module does not override it (then not gated, ``Gate.elidable``)
     def configure_and_shard() -> None:
         if builds_submodules:
             configure_model()

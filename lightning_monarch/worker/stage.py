@@ -4,7 +4,8 @@ Runs in each worker process. The worker's Trainer is Lightning's own, with ``DDP
 torch elastic environment that Monarch set up for this rank (``ModelParallelStrategy`` when the
 module is sharded, see ``worker.sharding``); it gets the controller's loop flags
 (R1), a gate callback first in its callback list, and gates on the module's hooks (R2). It has
-no progress bar, checkpoint callback or model summary: those run once, on the controller.
+no progress bar, checkpoint callback or model summary, nor the callbacks installed packages register
+through entry points: those run once, on the controller.
 """
 
 from __future__ import annotations
@@ -79,28 +80,29 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
     loggers, logger_calls = recording_loggers(spec.loggers)
     # each GPU worker sees only its own device (``worker.process``): cuda:0 on every rank
     parallel_devices = [torch.device("cuda", 0)] * config.devices if config.accelerator == "cuda" else None
-    trainer = Trainer(
-        accelerator=config.accelerator,
-        devices=config.devices,
-        num_nodes=config.num_nodes,
-        strategy=sharded_strategy(config, parallel_devices)
-        if config.sharding is not None
-        else DDPStrategy(
-            cluster_environment=TorchElasticEnvironment(),
-            parallel_devices=parallel_devices,
-            process_group_backend=config.process_group_backend,
-            **config.ddp_kwargs,
-        ),
-        # ``str(trainer.precision)`` of the controller's Trainer: one of the values Lightning's ``precision`` accepts
-        precision=cast(Any, config.precision),
-        callbacks=[GateCallback(around), *worker_callbacks],
-        logger=loggers or False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_autolog_hparams=False,
-        **config.flags,
-    )
+    with lightning_compat.without_external_callbacks():
+        trainer = Trainer(
+            accelerator=config.accelerator,
+            devices=config.devices,
+            num_nodes=config.num_nodes,
+            strategy=sharded_strategy(config, parallel_devices)
+            if config.sharding is not None
+            else DDPStrategy(
+                cluster_environment=TorchElasticEnvironment(),
+                parallel_devices=parallel_devices,
+                process_group_backend=config.process_group_backend,
+                **config.ddp_kwargs,
+            ),
+            # ``str(trainer.precision)`` of the controller's Trainer: one of the values Lightning's ``precision`` accepts
+            precision=cast(Any, config.precision),
+            callbacks=[GateCallback(around), *worker_callbacks],
+            logger=loggers or False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_autolog_hparams=False,
+            **config.flags,
+        )
     lightning_compat.carry_fit_progress(trainer, spec.fit_loop_state)
     install_hook_gates(module, "module", MODULE_HOOKS, around)
     if config.sharding is not None:
@@ -135,7 +137,8 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
 
     resume = spec.resume.ranks[rank] if spec.resume is not None else None
     state = RankState(trainer, rank)
-    loop = StageLoop(
-        trainer, run, rank, EntryRecorder(trainer, rank, logger_calls, state), state, spec.run_ahead, resume
+    recorder = EntryRecorder(
+        trainer, rank, logger_calls, state, final_state=spec.fn == "fit" and config.sharding is None
     )
+    loop = StageLoop(trainer, run, rank, recorder, state, spec.run_ahead, resume)
     return loop

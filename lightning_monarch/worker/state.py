@@ -17,7 +17,14 @@ from lightning.pytorch import Trainer
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.gates import GateCallback
-from lightning_monarch.protocol import METRIC_VIEWS, CheckpointState, ModuleAttributes, RankSnapshot, RankValue
+from lightning_monarch.protocol import (
+    METRIC_VIEWS,
+    MODULE_HOOKS,
+    CheckpointState,
+    ModuleAttributes,
+    RankSnapshot,
+    RankValue,
+)
 from lightning_monarch.worker.describe import cpu_copy, to_cpu
 
 
@@ -63,7 +70,7 @@ class RankState:
         lock) stays there, and the controller is told which and why."""
         values, dropped = {}, {}
         for name, value in vars(self.module).items():
-            if name.startswith("_") or name == "training" or _bound_here(value, self.module):
+            if name.startswith("_") or name == "training" or _bound_here(name, value, self.module):
                 continue
             try:
                 cloudpickle.dumps(value)
@@ -128,10 +135,11 @@ class RankState:
         return CheckpointState(**(cpu_copy if copy else to_cpu)(state))
 
 
-def _bound_here(value: Any, module: Any) -> bool:
+def _bound_here(name: str, value: Any, module: Any) -> bool:
     """Whether an attribute of ``module`` is no state of its own: a method bound to it (Lightning
-    sets ``forward`` so) or a gate on one of its hooks (``gates``)."""
-    return getattr(value, "__self__", None) is module or getattr(value, "_lightning_monarch_gate", False)
+    sets ``forward`` so) or what this worker put on one of its hooks (a gate, ``gates``; the
+    sharding wrapper, ``worker.sharding``)."""
+    return getattr(value, "__self__", None) is module or name in MODULE_HOOKS
 
 
 def worker_callbacks(trainer: Trainer) -> list[Any]:
