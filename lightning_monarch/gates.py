@@ -37,11 +37,11 @@ def install_hook_gates(obj: Any, owner: str, hooks: Iterable[str], around: Aroun
         bound = getattr(obj, hook, None)
         if bound is None or getattr(bound, "_lightning_monarch_gate", False):
             continue
-        gate = GATES.get(gate_id(owner, hook))
-        if gate is not None and gate.elidable and not is_overridden(hook, obj):
+        gate = gate_id(owner, hook)
+        if gate in GATES and GATES[gate].elidable and not is_overridden(hook, obj):
             continue
         installed.append((hook, vars(obj).get(hook, _ABSENT)))
-        vars(obj)[hook] = _gated(gate_id(owner, hook), bound, around)
+        vars(obj)[hook] = _gated(gate, bound, around)
 
     def uninstall() -> None:
         for hook, previous in installed:

@@ -154,9 +154,8 @@ class Gate:
 _PLAIN = Gate()
 
 
-#: The module's and datamodule's hooks that go ungated where not overridden (:attr:`Gate.elidable`),
-#: with the model mode hooks.
-_ELIDABLE_HOOKS: tuple[str, ...] = (
+#: The module's and datamodule's hooks that go ungated where not overridden (:attr:`Gate.elidable`).
+_ELIDABLE_HOOKS: tuple[str, ...] = _MODEL_MODE_HOOKS + (
     "on_before_batch_transfer",
     "transfer_batch_to_device",
     "on_after_batch_transfer",
@@ -177,12 +176,8 @@ _ELIDABLE_HOOKS: tuple[str, ...] = (
 
 
 def _gate_table() -> dict[str, Gate]:
-    hooks_of = {"module": MODULE_HOOKS, "datamodule": DATAMODULE_HOOKS}
-    table = {
-        gate_id(owner, hook): _PLAIN
-        for owner, hooks in (("module", MODULE_HOOKS), ("datamodule", DATAMODULE_HOOKS), ("callback", CALLBACK_HOOKS))
-        for hook in hooks
-    }
+    hooks_of = {"module": MODULE_HOOKS, "datamodule": DATAMODULE_HOOKS, "callback": CALLBACK_HOOKS}
+    table = {gate_id(owner, hook): _PLAIN for owner, hooks in hooks_of.items() for hook in hooks}
     for step in ("training_step", "validation_step", "test_step"):
         table[gate_id("module", step)] = Gate(result="outputs")
     table[gate_id("module", "predict_step")] = Gate(result="prediction")
@@ -193,7 +188,7 @@ def _gate_table() -> dict[str, Gate]:
         for stage in ("train", "val", "test", "predict"):
             table[gate_id(owner, f"{stage}_dataloader")] = Gate(result="loaders")
         table[gate_id(owner, "prepare_data")] = Gate(rank_local=True, elidable=True)
-        for hook in _ELIDABLE_HOOKS + _MODEL_MODE_HOOKS:
+        for hook in _ELIDABLE_HOOKS:
             if hook in hooks_of[owner]:
                 table[gate_id(owner, hook)] = Gate(elidable=True)
     for stage in ("train", "validation", "test", "predict"):
