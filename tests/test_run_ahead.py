@@ -83,6 +83,42 @@ def test_a_steady_training_batch_with_lightnings_defaults_has_no_waited_round_tr
     }
 
 
+def test_hooks_the_module_does_not_override_record_no_entries() -> None:
+    """Elidable hooks (``protocol.Gate.elidable``) that ``Classifier`` does not override, the batch
+    transfer hooks and the evaluation batch starts and ends among them, are no gates: a training
+    batch records five entries and a validation batch three (R2)."""
+    with pytest.MonkeyPatch.context() as patch:
+        counted = Counted(patch)
+        L.Trainer(
+            strategy="monarch",
+            accelerator="cpu",
+            devices=2,
+            max_epochs=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            num_sanity_val_steps=0,
+        ).fit(Classifier())
+    gates = [entry.gate for entry in counted.entries]
+    train = gates.index("callback.on_train_batch_start")
+    assert gates[train : train + 6] == [
+        "callback.on_train_batch_start",
+        "module.on_train_batch_start",
+        "module.optimizer_step",
+        "callback.on_train_batch_end",
+        "module.on_train_batch_end",
+        "callback.on_train_batch_start",
+    ]
+    validation = gates.index("callback.on_validation_batch_start")
+    assert gates[validation : validation + 4] == [
+        "callback.on_validation_batch_start",
+        "module.validation_step",
+        "callback.on_validation_batch_end",
+        "callback.on_validation_batch_start",
+    ]
+
+
 def test_a_checkpoint_every_n_steps_travels_in_the_entries_and_the_workers_do_not_wait(tmp_path: Any) -> None:
     """``ModelCheckpoint(every_n_train_steps=3)`` saves at steps 3, 6, 9 and 12 from the state rank 0
     put in those steps' entries; nothing else is asked of the workers during the batches (R6)."""
