@@ -205,7 +205,10 @@ def test_benchmark_times_both_strategies() -> None:
     table = dict(re.findall(r"^(monarch|ddp) +([\d.]+)$", done.stdout, re.MULTILINE))
     assert table == {mode: ms for _, mode, ms in progress}, done.stdout
     ratio = float(re.search(r"monarch/ddp throughput: ([\d.]+)", done.stdout).group(1))
-    assert ratio == pytest.approx(float(table["ddp"]) / float(table["monarch"]), abs=0.02)
+    # the table rounds each median to 0.1 ms and the ratio to 0.01: the ratio of the unrounded
+    # medians lies within what the rounded ones allow
+    ddp, monarch = float(table["ddp"]), float(table["monarch"])
+    assert (ddp - 0.05) / (monarch + 0.05) - 0.005 <= ratio <= (ddp + 0.05) / (monarch - 0.05) + 0.005, done.stdout
 
 
 def test_the_comparison_reports_medians_and_their_ratio() -> None:
