@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import socket
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 from typing_extensions import override
@@ -140,14 +140,16 @@ class Gate:
     #: Lightning calls it on some ranks only (``prepare_data``, on local rank 0): never a sync gate,
     #: since the other ranks never park there.
     rank_local: bool = False
-    #: A module or datamodule hook whose result the controller does not use, whose Lightning base
-    #: implementation changes nothing that either side must see at a gate (it moves a batch,
-    #: switches the module to eval mode, steps a scheduler, or does nothing), and after which no
-    #: sync gate or metric view may sit: where the user's object does not override it, neither
-    #: side gates it (``gates.install_hook_gates``), each side runs the base implementation as its
-    #: own loop calls it, and what the worker callbacks changed before it (logger calls, control
-    #: state) travels with the next gate, which the controller's loop reaches before it reads
-    #: them. Five such hooks run for every evaluation batch, three for every training batch.
+    #: A module or datamodule hook whose Lightning base implementation gives the controller nothing
+    #: it must take from rank 0 (the empty list of ``configure_callbacks`` it gives itself) and
+    #: changes nothing that either side must see at a gate (it moves a batch, switches the module
+    #: to eval mode, steps a scheduler, or does nothing), and after which no sync gate or metric
+    #: view need sit (``configure_callbacks`` syncs only for the plan that the callbacks it returns
+    #: may grow): where the user's object does not override it, neither side gates it
+    #: (``gates.install_hook_gates``), each side runs the base implementation as its own loop calls
+    #: it, and what the worker callbacks changed before it (logger calls, control state) travels
+    #: with the next gate, which the controller's loop reaches before it reads them. Five such hooks
+    #: run for every evaluation batch, three for every training batch.
     elidable: bool = False
 
 
@@ -165,6 +167,7 @@ _ELIDABLE_HOOKS: tuple[str, ...] = _MODEL_MODE_HOOKS + (
     "on_test_batch_end",
     "on_predict_batch_start",
     "on_predict_batch_end",
+    "configure_callbacks",
     "configure_model",
     "configure_sharded_model",
     "optimizer_zero_grad",
@@ -190,7 +193,7 @@ def _gate_table() -> dict[str, Gate]:
         table[gate_id(owner, "prepare_data")] = Gate(rank_local=True, elidable=True)
         for hook in _ELIDABLE_HOOKS:
             if hook in hooks_of[owner]:
-                table[gate_id(owner, hook)] = Gate(elidable=True)
+                table[gate_id(owner, hook)] = replace(table[gate_id(owner, hook)], elidable=True)
     for stage in ("train", "validation", "test", "predict"):
         table[gate_id("callback", f"on_{stage}_batch_start")] = Gate(batch_start=True)
     return table
