@@ -23,17 +23,20 @@ pytestmark = pytest.mark.timeout(180)
 
 
 class Counted:
-    """What the controller's channel fetched and sent during a fit: every entry, in order, and each
-    request the controller waited on, with the number of entries fetched before it."""
+    """What the controller's channel fetched and sent during a fit: every entry, in order, the
+    number of entries fetched after each fetch, and each request the controller waited on, with the
+    number of entries fetched before it."""
 
     def __init__(self, patch: pytest.MonkeyPatch) -> None:
         self.entries: list[Any] = []
+        self.fetched: list[int] = []
         self.requests: list[tuple[int, str]] = []
         fetch, deliver = StageChannel.fetch, WorkerMesh.deliver
 
         def counted_fetch(channel: StageChannel) -> list[Any]:
             entries = fetch(channel)
             self.entries.extend(entry for entry in entries if entry.gate is not None)
+            self.fetched.append(len(self.entries))
             return entries
 
         def counted_deliver(mesh: WorkerMesh, message: Any) -> Any:
@@ -81,6 +84,36 @@ def test_a_steady_training_batch_with_lightnings_defaults_has_no_waited_round_tr
         "callback.on_validation_end",
         "module.on_train_epoch_end",
     }
+
+
+class SlowStepClassifier(Classifier):
+    """Training steps of 30 ms and more: longer than rank 0's fetch lingers for more batches."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        time.sleep(0.03)
+        return super().training_step(batch, batch_idx)
+
+
+def test_with_long_steps_a_fetch_brings_whole_batches() -> None:
+    """Where batches start ``FETCH_LINGER_S`` or more apart, rank 0's fetch waits until the batch in
+    progress ends and returns whole batches: no fetch ends inside a training batch."""
+    with pytest.MonkeyPatch.context() as patch:
+        counted = Counted(patch)
+        L.Trainer(
+            strategy="monarch",
+            accelerator="cpu",
+            devices=2,
+            max_epochs=1,
+            limit_train_batches=6,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(SlowStepClassifier())
+    batches = counted.batches()
+    inside = [fetched for fetched in counted.fetched if any(start < fetched <= end for start, end in batches)]
+    assert len(batches) == 6 and inside == [], (batches, counted.fetched)
 
 
 def test_hooks_the_module_does_not_override_record_no_entries() -> None:

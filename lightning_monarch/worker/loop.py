@@ -51,7 +51,7 @@ from lightning_monarch.worker.state import RankState
 #: a controller that keeps pace with short steps then fetches a few batches per message, not one,
 #: and spends its CPU on its loop. Longer steps would bring no second batch in that time, and the
 #: wait would only delay the controller (measured: 228 against 307 ms per controller-timed step of
-#: the large benchmark model, when every fetch lingered).
+#: the large benchmark model, when every fetch lingered); a fetch then returns whole batches.
 FETCH_LINGER_S = 0.02
 
 
@@ -103,6 +103,8 @@ class StageLoop:
         #: only while batches start less than :data:`FETCH_LINGER_S` apart).
         self._batch_started_at: Optional[float] = None
         self._batch_interval = float("inf")
+        #: How many of the entries not fetched yet came before the last batch start: whole batches.
+        self._whole = 0
         #: Gates run this stage (the controller compares ranks with it when one seems stuck).
         self._gates = 0
         self._predictions: list[PredictionShard] = []
@@ -123,17 +125,24 @@ class StageLoop:
     def fetch(self) -> bytes:
         """Runs on the endpoint thread, rank 0: the entries recorded since the last fetch, as
         ``torch.save`` bytes (one serialization for the lot). Waits until there is one, or the loop
-        waits for the controller, or the stage ended (then the end entry comes last); and, while
-        batches start less than :data:`FETCH_LINGER_S` apart, for more after the first one, until it
-        is that old, unless the controller needs what it has now (the loop waits for it, the stage
-        ended, an entry carries a checkpoint state): a controller that keeps pace with short steps
-        takes several batches per message."""
+        waits for the controller, or the stage ended (then the end entry comes last). Unless the
+        controller needs what it has now (the loop waits for it, the stage ended, an entry carries a
+        checkpoint state), it then waits for more: while batches start less than
+        :data:`FETCH_LINGER_S` apart, until the first entry is that old, so that a controller that
+        keeps pace with short steps takes several batches per message; with longer steps, until
+        the batch in progress has ended (the next one starts), so that it takes a batch per message
+        instead of one per gate. It returns whole batches where it has them (what the next batch
+        recorded meanwhile waits for the next fetch), and everything where the controller needs it."""
         with self._cond:
             self._cond.wait_for(lambda: self._entries or self._stuck() or self._ended is not None)
             if self._batch_interval < FETCH_LINGER_S:
                 linger = self._first_entry_at + FETCH_LINGER_S - time.monotonic()
                 self._cond.wait_for(self._needed_now, timeout=linger)
-            entries, self._entries = self._entries, []
+            else:
+                self._cond.wait_for(lambda: self._whole > 0 or self._needed_now())
+            taken = len(self._entries) if self._needed_now() or not self._whole else self._whole
+            entries, self._entries, self._whole = self._entries[:taken], self._entries[taken:], 0
+            self._first_entry_at = time.monotonic()  # of what is left, if anything
             self._cond.notify_all()  # rank 0 may wait to stage a checkpoint state (R6)
             if self._ended is not None:
                 entries.append(self._ended)
@@ -307,6 +316,8 @@ class StageLoop:
             if self._batch_started_at is not None:
                 self._batch_interval = now - self._batch_started_at
             self._batch_started_at = now
+            self._whole = len(self._entries)
+            self._cond.notify_all()
 
     def _wait_for_staging_room(self) -> None:
         """Rank 0, before it copies its checkpoint state into an entry: wait while
