@@ -167,6 +167,7 @@ _ELIDABLE_HOOKS: tuple[str, ...] = _MODEL_MODE_HOOKS + (
     "on_test_batch_end",
     "on_predict_batch_start",
     "on_predict_batch_end",
+    "prepare_data",
     "configure_callbacks",
     "configure_model",
     "configure_sharded_model",
@@ -190,10 +191,11 @@ def _gate_table() -> dict[str, Gate]:
     for owner in ("module", "datamodule"):
         for stage in ("train", "val", "test", "predict"):
             table[gate_id(owner, f"{stage}_dataloader")] = Gate(result="loaders")
-        table[gate_id(owner, "prepare_data")] = Gate(rank_local=True, elidable=True)
+        table[gate_id(owner, "prepare_data")] = Gate(rank_local=True)
         for hook in _ELIDABLE_HOOKS:
             if hook in hooks_of[owner]:
-                table[gate_id(owner, hook)] = replace(table[gate_id(owner, hook)], elidable=True)
+                gate = gate_id(owner, hook)
+                table[gate] = replace(table[gate], elidable=True)
     for stage in ("train", "validation", "test", "predict"):
         table[gate_id("callback", f"on_{stage}_batch_start")] = Gate(batch_start=True)
     return table
