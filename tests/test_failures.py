@@ -99,7 +99,7 @@ class InterruptOnBatch(L.Callback):
 
 
 def test_keyboard_interrupt_leaves_no_worker_and_fit_works_again() -> None:
-    # Ctrl-C raises KeyboardInterrupt in the user's Python, whose SIGINT handler that is. A process
+    # Ctrl-C raises KeyboardInterrupt through the SIGINT handler of an interactive Python. A process
     # started in the background (`pytest &`, a CI runner) inherits SIGINT ignored, and Python keeps it
     # ignored: the SIGINT sent below would then be lost and the fit run to its end.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -47,34 +47,37 @@ class Counted:
         patch.setattr(StageChannel, "fetch", counted_fetch)
         patch.setattr(WorkerMesh, "deliver", counted_deliver)
 
+    @classmethod
+    def fit(cls, module: L.LightningModule, **flags: Any) -> Counted:
+        """What a ``fit`` of ``module`` on 2 CPU workers, by a Trainer with ``flags``
+        (``strategy="monarch"`` unless they give one), fetched and sent."""
+        with pytest.MonkeyPatch.context() as patch:
+            counted = cls(patch)
+            L.Trainer(**{"strategy": "monarch", "accelerator": "cpu", "devices": 2, **flags}).fit(module)
+        return counted
+
     def batches(self) -> list[tuple[int, int]]:
         """Each training batch as the range of entries from its start gate to its end gate."""
         starts = [i for i, entry in enumerate(self.entries) if entry.gate == "callback.on_train_batch_start"]
         ends = [i for i, entry in enumerate(self.entries) if entry.gate == "module.on_train_batch_end"]
         return list(zip(starts, ends, strict=False))
 
+    def inside_a_batch(self, position: int) -> bool:
+        """Whether ``position`` (a count of entries fetched) falls inside a training batch: its start
+        gate's entry fetched, its end gate's not yet."""
+        return any(start < position <= end for start, end in self.batches())
+
 
 def test_a_steady_training_batch_with_lightnings_defaults_has_no_waited_round_trip(tmp_path: Any) -> None:
     """Lightning's default callbacks (checkpointing, progress bar, model summary) and a CSV logger:
     within a training batch the workers never park and the controller asks them nothing (R4-R6)."""
-    with pytest.MonkeyPatch.context() as patch:
-        counted = Counted(patch)
-        L.Trainer(
-            strategy="monarch",
-            accelerator="cpu",
-            devices=2,
-            max_epochs=2,
-            default_root_dir=tmp_path,
-            logger=CSVLogger(tmp_path),
-        ).fit(Classifier())
+    counted = Counted.fit(Classifier(), max_epochs=2, default_root_dir=tmp_path, logger=CSVLogger(tmp_path))
     batches = counted.batches()
     assert len(batches) == 12
     synced = [
         counted.entries[i].gate for start, end in batches for i in range(start, end + 1) if counted.entries[i].sync
     ]
-    asked = [
-        endpoint for position, endpoint in counted.requests if any(start < position <= end for start, end in batches)
-    ]
+    asked = [endpoint for position, endpoint in counted.requests if counted.inside_a_batch(position)]
     assert synced == [] and asked == [], (synced, asked)
     # ModelCheckpoint saves from rank 0's state in the entries where it may save: the workers wait
     # only where the controller's plan may grow, once per stage (not at `configure_callbacks`,
@@ -97,42 +100,33 @@ class SlowStepClassifier(Classifier):
 def test_with_long_steps_a_fetch_brings_whole_batches() -> None:
     """Where batches start ``FETCH_LINGER_S`` or more apart, rank 0's fetch waits until the batch in
     progress ends and returns whole batches: no fetch ends inside a training batch."""
-    with pytest.MonkeyPatch.context() as patch:
-        counted = Counted(patch)
-        L.Trainer(
-            strategy="monarch",
-            accelerator="cpu",
-            devices=2,
-            max_epochs=1,
-            limit_train_batches=6,
-            limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        ).fit(SlowStepClassifier())
-    batches = counted.batches()
-    inside = [fetched for fetched in counted.fetched if any(start < fetched <= end for start, end in batches)]
-    assert len(batches) == 6 and inside == [], (batches, counted.fetched)
+    counted = Counted.fit(
+        SlowStepClassifier(),
+        max_epochs=1,
+        limit_train_batches=6,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    inside = [fetched for fetched in counted.fetched if counted.inside_a_batch(fetched)]
+    assert len(counted.batches()) == 6 and inside == [], (counted.batches(), counted.fetched)
 
 
 def test_hooks_the_module_does_not_override_record_no_entries() -> None:
     """Elidable hooks (``protocol.Gate.elidable``) that ``Classifier`` does not override, the batch
     transfer hooks and the evaluation batch starts and ends among them, are no gates: a training
     batch records five entries and a validation batch three (R2)."""
-    with pytest.MonkeyPatch.context() as patch:
-        counted = Counted(patch)
-        L.Trainer(
-            strategy="monarch",
-            accelerator="cpu",
-            devices=2,
-            max_epochs=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            num_sanity_val_steps=0,
-        ).fit(Classifier())
+    counted = Counted.fit(
+        Classifier(),
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
     gates = [entry.gate for entry in counted.entries]
     train = gates.index("callback.on_train_batch_start")
     assert gates[train : train + 6] == [
@@ -156,18 +150,15 @@ def test_a_checkpoint_every_n_steps_travels_in_the_entries_and_the_workers_do_no
     """``ModelCheckpoint(every_n_train_steps=3)`` saves at steps 3, 6, 9 and 12 from the state rank 0
     put in those steps' entries; nothing else is asked of the workers during the batches (R6)."""
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
-    with pytest.MonkeyPatch.context() as patch:
-        counted = Counted(patch)
-        L.Trainer(
-            strategy=MonarchStrategy(max_ahead=None),
-            accelerator="cpu",
-            devices=2,
-            max_epochs=2,
-            logger=False,
-            limit_val_batches=0,
-            enable_progress_bar=False,
-            callbacks=[checkpoint],
-        ).fit(Classifier())
+    counted = Counted.fit(
+        Classifier(),
+        strategy=MonarchStrategy(max_ahead=None),
+        max_epochs=2,
+        logger=False,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        callbacks=[checkpoint],
+    )
     batches = counted.batches()
     staged = [
         (number, counted.entries[i].gate)
