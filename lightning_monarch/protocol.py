@@ -360,9 +360,10 @@ class StageSpec:
 
     ``fit_loop_state`` is the controller's ``trainer.fit_loop.state_dict()``: a Trainer that ran
     ``fit`` before carries its epoch and step into later stages, and so must each worker's.
-    ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks)``; it is
-    pickled once on the controller (where a failure is reported before any worker starts) and
-    sent as raw bytes, which Monarch moves faster than pickled tensors.
+    ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks)``, its
+    tensors as ``codec`` sends them; it is pickled once on the controller (where a failure is
+    reported before any worker starts) and sent as raw bytes, which Monarch moves faster than
+    pickled tensors.
     """
 
     fn: str

@@ -7,7 +7,6 @@ device and turns worker failures into :class:`~lightning_monarch.errors.WorkerEr
 from __future__ import annotations
 
 import functools
-import io
 import logging
 import re
 import time
@@ -16,11 +15,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn, Optional
 
-import torch
 from monarch.actor import HostMesh, ProcMesh, this_host
 from monarch.spmd import setup_torch_elastic_env
 
 from lightning_monarch._compat.monarch import SupervisionError, failed_rank
+from lightning_monarch.codec import decode
 from lightning_monarch.controller.hosts import host_count
 from lightning_monarch.controller.output import WorkerOutput
 from lightning_monarch.controller.watch import POLL_S, ProcessWatch
@@ -208,7 +207,7 @@ class WorkerMesh:
                     pending.extend(self._workers.status.stream())
             except SupervisionError as error:
                 self._raise_death(error)
-        entries = torch.load(io.BytesIO(answer), weights_only=False)
+        entries = decode(answer)
         if entries and entries[-1].failure is not None:
             try:
                 self._raise_if_a_death_caused(entries[-1].failure, self._workers.status.stream())
@@ -268,7 +267,7 @@ class WorkerMesh:
         """Every rank's predictions of the ended stage."""
         shards = []
         for answer in self.deliver(Message("predictions")):
-            shards.extend(torch.load(io.BytesIO(answer), weights_only=False))
+            shards.extend(decode(answer))
         return shards
 
     def require_processes(self, action: str, call: str) -> None:

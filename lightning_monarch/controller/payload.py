@@ -24,9 +24,12 @@ import cloudpickle
 from lightning.pytorch import Trainer
 from typing_extensions import override
 
+from lightning_monarch.codec import TensorPickling
 
-class _ReferenceRecorder(cloudpickle.Pickler):
-    """A cloudpickle pickler that notes every class and function it pickles by reference.
+
+class _ReferenceRecorder(TensorPickling, cloudpickle.Pickler):
+    """A cloudpickle pickler that notes every class and function it pickles by reference; tensors
+    travel as ``lightning_monarch.codec`` sends them, for the workers' ``codec.decode``.
 
     It leaves the controller's ``Trainer`` behind (a LightningDataModule keeps a reference to it):
     each worker attaches its own Trainer, as the controller's cannot leave this process.

@@ -10,7 +10,6 @@ controller, so that the grants and releases queued behind it are never blocked.
 from __future__ import annotations
 
 import gc
-import io
 import os
 import socket
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import torch
 from lightning.pytorch import LightningModule
 from monarch.actor import Actor, endpoint
 
+from lightning_monarch.codec import encode
 from lightning_monarch.protocol import (
     CheckpointState,
     Grant,
@@ -101,7 +101,7 @@ class MonarchWorker(Actor):
 
     @endpoint
     def fetch(self) -> Union[bytes, WorkerFailure]:
-        """Rank 0's entries since the last fetch (R3), as ``torch.save`` bytes; waits for one."""
+        """Rank 0's entries since the last fetch (R3), as one message (``codec``); waits for one."""
         if self._stage is None:
             return self._failure(RuntimeError("No stage was started on this worker before its first fetch."), None)
         return self._stage.fetch()
@@ -132,12 +132,10 @@ class MonarchWorker(Actor):
 
     @endpoint
     def predictions(self) -> Union[bytes, WorkerFailure]:
-        """This rank's predictions of the ended stage with their dataset indices, as ``torch.save`` bytes."""
+        """This rank's predictions of the ended stage with their dataset indices, as one message (``codec``)."""
         if self._stage is None:
             return self._failure(RuntimeError("No stage has run on this worker."), "predictions")
-        buffer = io.BytesIO()
-        torch.save(self._stage.predictions(), buffer)
-        return buffer.getvalue()
+        return encode(self._stage.predictions())
 
     @endpoint
     def read_metrics(self, view: str) -> Union[Optional[dict[str, Any]], WorkerFailure]:

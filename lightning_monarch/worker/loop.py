@@ -16,7 +16,6 @@ the endpoint thread hands over grants, releases and out-of-band requests, and ta
 from __future__ import annotations
 
 import dataclasses
-import io
 import threading
 import time
 from collections import deque
@@ -24,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-import torch
 from lightning.pytorch import Trainer
 
+from lightning_monarch.codec import encode
 from lightning_monarch.errors import DivergenceError
 from lightning_monarch.protocol import (
     GATES,
@@ -124,7 +123,7 @@ class StageLoop:
 
     def fetch(self) -> bytes:
         """Runs on the endpoint thread, rank 0: the entries recorded since the last fetch, as
-        ``torch.save`` bytes (one serialization for the lot). Waits until there is one, or the loop
+        one message (``codec``). Waits until there is one, or the loop
         waits for the controller, or the stage ended (then the end entry comes last). Unless the
         controller needs what it has now (the loop waits for it, the stage ended, an entry carries a
         checkpoint state), it then waits for more: while batches start less than
@@ -146,9 +145,7 @@ class StageLoop:
             self._cond.notify_all()  # rank 0 may wait to stage a checkpoint state (R6)
             if self._ended is not None:
                 entries.append(self._ended)
-        buffer = io.BytesIO()
-        torch.save(entries, buffer)
-        return buffer.getvalue()
+        return encode(entries)
 
     def _needed_now(self) -> bool:
         """Whether the controller needs the entries recorded so far at once (under the lock)."""

@@ -19,13 +19,13 @@ import tempfile
 import warnings
 from typing import Any, cast
 
-import cloudpickle
 import torch
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch.codec import decode
 from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS, StageSpec
 from lightning_monarch.worker.entries import EntryRecorder
@@ -69,7 +69,7 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-    module, datamodule, loaders, worker_callbacks = cloudpickle.loads(spec.payload)
+    module, datamodule, loaders, worker_callbacks = decode(spec.payload)
 
     loop: StageLoop
 
