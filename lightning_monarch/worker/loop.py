@@ -48,10 +48,17 @@ from lightning_monarch.worker.state import RankState
 #: How long rank 0 holds its entries for more once the controller asks for them, while its batches
 #: start less than this apart and the controller does not need them at once (``StageLoop.fetch``):
 #: a controller that keeps pace with short steps then fetches a few batches per message, not one,
-#: and spends its CPU on its loop. Longer steps would bring no second batch in that time, and the
-#: wait would only delay the controller (measured: 228 against 307 ms per controller-timed step of
-#: the large benchmark model, when every fetch lingered); a fetch then returns whole batches.
+#: and spends its CPU on its loop. Longer steps would bring no second batch in that time; a fetch
+#: then returns whole batches (:data:`FETCH_SPAN_S`).
 FETCH_LINGER_S = 0.02
+#: With longer steps, how old the first entry of a fetch grows before the fetch returns the whole
+#: batches it has: 30 ms steps come three to a message, and the controller's CPU per batch (its
+#: own, and Monarch's per message) does not grow as the steps grow longer, as they do with more
+#: workers on a few cores (measured with 8 workers on 2 cores: 1.5 against 2.1 ms per batch, when
+#: every batch came alone). A batch longer than this comes alone, as soon as it ends: waiting for
+#: a second one would only delay the controller (measured: 228 against 307 ms per controller-timed
+#: step of the large benchmark model, when every fetch lingered for more).
+FETCH_SPAN_S = 0.1
 
 
 @dataclass
@@ -123,22 +130,24 @@ class StageLoop:
 
     def fetch(self) -> bytes:
         """Runs on the endpoint thread, rank 0: the entries recorded since the last fetch, as
-        one message (``codec``). Waits until there is one, or the loop
-        waits for the controller, or the stage ended (then the end entry comes last). Unless the
-        controller needs what it has now (the loop waits for it, the stage ended, an entry carries a
-        checkpoint state), it then waits for more: while batches start less than
-        :data:`FETCH_LINGER_S` apart, until the first entry is that old, so that a controller that
-        keeps pace with short steps takes several batches per message; with longer steps, until
-        the batch in progress has ended (the next one starts), so that it takes a batch per message
-        instead of one per gate. It returns whole batches where it has them (what the next batch
-        recorded meanwhile waits for the next fetch), and everything where the controller needs it."""
+        one message (``codec``). Waits until there is one, or the loop waits for the controller, or
+        the stage ended (then the end entry comes last). Unless the controller needs what it has
+        now (the loop waits for it, the stage ended, an entry carries a checkpoint state), it then
+        waits for more: while batches start less than :data:`FETCH_LINGER_S` apart, until the
+        first entry is that old, so that a controller that keeps pace with short steps takes
+        several batches per message; with longer steps, until the batch in progress has ended (the
+        next one starts) and the first entry is :data:`FETCH_SPAN_S` old, so that it takes whole
+        batches, a few per message, instead of one per gate. It returns whole batches where it has
+        them (what the next batch recorded meanwhile waits for the next fetch), and everything
+        where the controller needs it."""
         with self._cond:
             self._cond.wait_for(lambda: self._entries or self._stuck() or self._ended is not None)
             if self._batch_interval < FETCH_LINGER_S:
                 linger = self._first_entry_at + FETCH_LINGER_S - time.monotonic()
-                self._cond.wait_for(self._needed_now, timeout=linger)
             else:
                 self._cond.wait_for(lambda: self._whole > 0 or self._needed_now())
+                linger = self._first_entry_at + FETCH_SPAN_S - time.monotonic()
+            self._cond.wait_for(self._needed_now, timeout=linger)
             taken = len(self._entries) if self._needed_now() or not self._whole else self._whole
             entries, self._entries, self._whole = self._entries[:taken], self._entries[taken:], 0
             self._first_entry_at = time.monotonic()  # of what is left, if anything
