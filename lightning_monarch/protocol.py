@@ -18,10 +18,11 @@ R3. At each gate every worker runs the hook; rank 0 then records an :class:`Entr
     nested results, the control state after it, the logger calls made since the last entry, ...).
     Entries reach the controller in order and in bulk; its loop consumes one per gate, and a gate
     that is not the entry's raises ``DivergenceError``.
-R4. A worker runs ahead of the controller without waiting, except that it starts a batch of a batch
-    loop only within :attr:`RunAhead.max_ahead` batches of the last one the controller has taken
-    (a :class:`Grant` tells it), and that after a *sync gate* it parks until the controller
-    releases it (a :class:`Release`). ``max_ahead=0`` makes every gate a sync gate: lockstep.
+R4. A worker runs ahead of the controller without waiting, except that it starts a training batch
+    only within :attr:`RunAhead.max_ahead` batches of the last batch the controller has taken (a
+    :class:`Grant` tells it; the batches of every loop count, but only a training batch waits for
+    credit), and that after a *sync gate* it parks until the controller releases it (a
+    :class:`Release`). ``max_ahead=0`` makes every gate a sync gate: lockstep.
 R5. Sync gates are where a controller callback acts on the workers (:attr:`RunAhead.sync`): the
     control state it changes travels with the ``Release`` and applies before the workers go on,
     and what it reads live (metrics, checkpoint state, stats) is read while every worker is parked
@@ -137,6 +138,10 @@ class Gate:
     result: Optional[str] = None
     #: The first gate of a batch of a batch loop: the unit of a worker's lead (R4).
     batch_start: bool = False
+    #: A batch start where a worker waits for credit (R4): a training batch's. Evaluation and
+    #: prediction batches record little (logged values; the predictions stay on the workers until
+    #: the stage ends) and never wait for it, so the workers run through them at their own pace.
+    credit: bool = False
     #: Lightning calls it on some ranks only (``prepare_data``, on local rank 0): never a sync gate,
     #: since the other ranks never park there.
     rank_local: bool = False
@@ -197,7 +202,7 @@ def _gate_table() -> dict[str, Gate]:
                 gate = gate_id(owner, hook)
                 table[gate] = replace(table[gate], elidable=True)
     for stage in ("train", "validation", "test", "predict"):
-        table[gate_id("callback", f"on_{stage}_batch_start")] = Gate(batch_start=True)
+        table[gate_id("callback", f"on_{stage}_batch_start")] = Gate(batch_start=True, credit=stage == "train")
     return table
 
 

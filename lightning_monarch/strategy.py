@@ -91,9 +91,10 @@ class MonarchStrategy(ParallelStrategy):
             (``WorkerTimeoutError`` naming the ranks that did not answer, or a restart); ``None``
             (the default) waits as long as a step takes.
         max_ahead: how many batches the workers may run ahead of the controller's loop, which
-            replays what rank 0 recorded at each hook; they wait only where a controller callback
-            acts on them (a sync point; see the architecture page). ``0`` is lockstep, every hook a
-            sync point, for debugging; ``None`` no limit.
+            replays what rank 0 recorded at each hook, before they wait to start a training batch
+            (evaluation and prediction batches never wait for it); they wait otherwise only where
+            a controller callback acts on them (a sync point; see the architecture page). ``0`` is
+            lockstep, every hook a sync point, for debugging; ``None`` no limit.
         keep_warm: keep the worker processes after a stage that ended cleanly, for the next
             ``fit``/``validate``/``test``/``predict`` with the same devices and backend, in this
             Trainer or another (``lightning_monarch.stop_meshes()`` or interpreter exit stops

@@ -221,6 +221,50 @@ def test_the_workers_lead_by_max_ahead_batches_at_most(max_ahead: int) -> None:
     assert max(lead) == max_ahead, lead
 
 
+class StampsItsValidationSteps(Classifier):
+    """Rank 0 records when each of its 6 validation steps ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_times: list[float] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.step_times.append(time.time())
+        super().validation_step(batch, batch_idx)
+
+    def val_dataloader(self) -> Any:
+        return self._loader(96, shuffle=False)
+
+
+@observe_only
+class SlowValidationReader(L.Callback):
+    """An observe-only controller callback that takes its time at every validation batch end."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        time.sleep(0.1)
+        self.seen.append(time.time())
+
+
+def test_evaluation_batches_never_wait_for_credit() -> None:
+    """With ``max_ahead=1``, rank 0 runs through all 6 validation batches while the controller is
+    still at the first one's end: only a training batch waits for credit (R4)."""
+    model, reader = StampsItsValidationSteps(), SlowValidationReader()
+    L.Trainer(
+        strategy=MonarchStrategy(max_ahead=1),
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[reader],
+    ).validate(model, verbose=False)
+    lead = [sum(stamp < seen for stamp in model.step_times) - (batch + 1) for batch, seen in enumerate(reader.seen)]
+    assert len(lead) == 6 and lead[0] == 5, lead
+
+
 def test_a_callback_wrongly_declared_observe_only_that_stops_training_raises() -> None:
     trainer = L.Trainer(
         strategy="monarch",

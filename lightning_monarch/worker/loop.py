@@ -229,7 +229,7 @@ class StageLoop:
         if self._depth:
             return self._nested_call(gate, fn, args, kwargs)
         if GATES[gate].batch_start:
-            self._wait_for_credit()
+            self._start_batch(GATES[gate].credit)
         arrival = self._recorder.arrival()
         self._depth, self._nested, self._gate = 1, [], gate
         try:
@@ -307,12 +307,13 @@ class StageLoop:
                 self._nested.append((gate, described))
         return worker_side_result(gate, result)
 
-    def _wait_for_credit(self) -> None:
-        """Before a batch starts: wait while this rank is ``max_ahead`` batches ahead of the last
-        batch the controller took (R4)."""
+    def _start_batch(self, credit: bool) -> None:
+        """Before a batch starts: count it, and for a batch that takes ``credit`` (a training
+        batch's) wait while this rank is ``max_ahead`` batches ahead of the last batch the
+        controller took (R4)."""
         limit = self._plan.max_ahead
         with self._cond:
-            if limit:
+            if limit and credit:
                 self._credit_waiting = True
                 self._cond.notify_all()
                 self._cond.wait_for(lambda: self._started < self._taken + limit)
