@@ -4,13 +4,14 @@ payload to the workers: one pickle per message, each CPU tensor as a view of its
 Shared by both sides: the workers encode entries and predictions (``worker.loop``,
 ``worker.actor``) and decode the payload (``worker.stage``); the controller decodes the former
 (``controller.mesh``) and pickles the payload with cloudpickle and :class:`TensorPickling`
-(``controller.payload``). ``torch.save`` does the same job, but it writes a zip archive and
-pickles each storage through a nested legacy ``torch.save``, which costs about 0.15 ms per message
-and per tensor on each side (most of what a fetch of a few logged scalars cost the controller),
-and pickles a large module's weights at half this speed.
-This keeps what ``torch.save`` keeps (dtype, shape, strides, storage offset, and storages shared
-between tensors, as a state dict's tied weights share theirs) and hands any other tensor (on a
-device, sparse, quantized, requiring grad, subclassed) to torch's own pickling.
+(``controller.payload``).
+
+``torch.save`` does the same job, but it writes a zip archive and pickles each storage through a
+nested legacy ``torch.save``: about 0.15 ms per message and per tensor on each side (most of what
+a fetch of a few logged scalars cost the controller), and half this module's speed on a large
+module's weights. This keeps what ``torch.save`` keeps (dtype, shape, strides, storage offset,
+and storages shared between tensors, as a state dict's tied weights share theirs) and hands any
+other tensor (on a device, sparse, quantized, requiring grad, subclassed) to torch's own pickling.
 """
 
 from __future__ import annotations
