@@ -43,18 +43,21 @@ class PredictionCollector:
             )
             shards = sorted(shards, key=lambda shard: shard.batch_indices[0] if shard.batch_indices else 0)
             return [shard.output for shard in shards]
-        leaves, spec = columns
+        leaves, order, spec = columns
         return [
-            tree_unflatten([leaf[start : start + batch_size].clone() for leaf in leaves], spec)
-            for start in range(0, len(leaves[0]), batch_size)
+            tree_unflatten([leaf[order[start : start + batch_size]] for leaf in leaves], spec)
+            for start in range(0, len(order), batch_size)
         ]
 
 
-def _columns_in_dataset_order(shards: list[PredictionShard]) -> Optional[tuple[list[torch.Tensor], Any]]:
-    """Each leaf of the outputs' common structure, every shard's rows in one tensor in dataset
-    order (a stable sort by dataset index, one gather per leaf: a loop over samples cost the
-    medium benchmark model's ``predict`` tens of ms); ``None`` if the shards' outputs are not
-    tensors with one row per sample in one structure."""
+def _columns_in_dataset_order(
+    shards: list[PredictionShard],
+) -> Optional[tuple[list[torch.Tensor], torch.Tensor, Any]]:
+    """Each leaf of the outputs' common structure with every shard's rows in one tensor, the rows'
+    dataset order (a stable sort by dataset index: each batch is then one gather per leaf, into a
+    tensor of its own; a loop over samples cost the medium benchmark model's ``predict`` tens of
+    ms), and the structure; ``None`` if the shards' outputs are not tensors with one row per sample
+    in one structure."""
     flattened = [tree_flatten(shard.output) for shard in shards]
     if not flattened:
         return None
@@ -69,4 +72,4 @@ def _columns_in_dataset_order(shards: list[PredictionShard]) -> Optional[tuple[l
             return None
     order = torch.argsort(torch.tensor([index for shard in shards for index in shard.batch_indices]), stable=True)
     columns = zip(*(leaves for leaves, _ in flattened), strict=True)
-    return [torch.cat(column)[order] for column in columns], spec
+    return [torch.cat(column) for column in columns], order, spec
