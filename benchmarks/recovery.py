@@ -15,13 +15,9 @@ Each case runs in a fresh process; the figures go to ``benchmarks/results/recove
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -30,10 +26,10 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from benchmarks.fresh import RESULTS, FirstStep, run_cases
 from lightning_monarch import MeshFailureError, MonarchStrategy
 from lightning_monarch.benchmark.models import BenchModel
 
-RESULTS = Path(__file__).resolve().parent / "results"
 #: 10 steps per epoch (20 batches, 2 ranks); the kill lands 5 steps after the epoch-3 snapshot.
 SIZE, STEPS, BATCHES, KILL_AT, CHECKPOINT_EVERY = "medium", 60, 20, 35, 20
 
@@ -53,19 +49,12 @@ class KillRank1(L.Callback):
             self.resumed_at = time.monotonic()
 
 
-class FirstStep(L.Callback):
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.is_global_zero and not hasattr(self, "done"):
-            self.done = True
-            Path(os.environ["BENCHMARK_FIRST_STEP"]).write_text(str(time.time()))
-
-
-def _trainer(strategy: Any, callbacks: list[L.Callback], checkpoints: Path, steps: int = STEPS) -> L.Trainer:
+def fault_trainer(strategy: Any, callbacks: list[L.Callback], checkpoints: Path, **options: Any) -> L.Trainer:
+    """The run of the fault-tolerance benchmarks (this one and ``benchmarks.elastic``): ``STEPS``
+    steps on 2 devices unless ``options`` say otherwise, ``last.ckpt`` every ``CHECKPOINT_EVERY``."""
     return L.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=2,
-        max_steps=steps,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -75,6 +64,7 @@ def _trainer(strategy: Any, callbacks: list[L.Callback], checkpoints: Path, step
             ModelCheckpoint(dirpath=str(checkpoints), every_n_train_steps=CHECKPOINT_EVERY, save_last=True),
             *callbacks,
         ],
+        **{"devices": 2, "max_steps": STEPS, **options},
     )
 
 
@@ -82,14 +72,13 @@ def run_case(case: str, scratch: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     L.seed_everything(0)
     if case == "ddp_restart_from_checkpoint":
-        os.environ["BENCHMARK_FIRST_STEP"] = str(scratch / "first_step")
-        trainer = _trainer("ddp", [FirstStep()], scratch / case, steps=KILL_AT + 2)
+        trainer = fault_trainer("ddp", [FirstStep()], scratch / case, max_steps=KILL_AT + 2)
         # the last checkpoint the failed run wrote before its worker died
         trainer.fit(BenchModel(SIZE, BATCHES), ckpt_path=str(scratch / "monarch_fail" / "last.ckpt"))
         return {}
     killer = KillRank1()
     restarts = 1 if case == "monarch_restart" else 0
-    trainer = _trainer(MonarchStrategy(max_restarts=restarts), [killer], scratch / case)
+    trainer = fault_trainer(MonarchStrategy(max_restarts=restarts), [killer], scratch / case)
     try:
         trainer.fit(BenchModel(SIZE, BATCHES))
     except MeshFailureError:
@@ -102,38 +91,16 @@ def run_case(case: str, scratch: Path) -> dict[str, Any]:
     }
 
 
-def _in_fresh_process(case: str, scratch: Path) -> dict[str, Any]:
-    out = scratch / f"{case}.json"
-    launched = time.time()
-    subprocess.run(
-        [sys.executable, "-m", "benchmarks.recovery", "--case", case, "--scratch", str(scratch), "--out", str(out)],
-        check=True,
-        cwd=RESULTS.parent.parent,
-        timeout=600,
-        capture_output=True,
-    )
-    result = json.loads(out.read_text()) if out.exists() else {}
-    if case == "ddp_restart_from_checkpoint":
-        result["first_step_s"] = float((scratch / "first_step").read_text()) - launched
-    return result
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case")
-    parser.add_argument("--scratch")
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    if args.case:
-        result = run_case(args.case, Path(args.scratch))
-        if result:
-            Path(args.out).write_text(json.dumps(result))
+    results = run_cases(
+        "benchmarks.recovery",
+        __doc__.splitlines()[0],
+        run_case,
+        ("monarch_fail", "monarch_restart", "ddp_restart_from_checkpoint"),
+        "ddp_restart_from_checkpoint",
+    )
+    if results is None:  # one case, run in this process
         return
-    with tempfile.TemporaryDirectory() as scratch:
-        results = {
-            case: _in_fresh_process(case, Path(scratch))
-            for case in ("monarch_fail", "monarch_restart", "ddp_restart_from_checkpoint")
-        }
     results["setup"] = {
         "model": SIZE,
         "steps": STEPS,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_monarch._compat import monarch as monarch_compat
 from lightning_monarch.errors import (
     DivergenceError,
+    HostsLostError,
     MeshFailureError,
     PreflightError,
     UnreachableHostsError,
@@ -51,6 +52,7 @@ _CONTROLLER_NAMES = {
 
 __all__ = [
     "DivergenceError",
+    "HostsLostError",
     "MeshFailureError",
     "MeshStatsMonitor",
     "MonarchFSDPStrategy",

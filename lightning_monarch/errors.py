@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Optional
+
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch.protocol import WorkerFailure
@@ -40,9 +43,25 @@ class MeshFailureError(RuntimeError):
     """A worker process or the mesh failed: a process died (killed, out of memory, crashed), or
     Monarch reported the mesh broken. ``ranks`` names the workers concerned, where known."""
 
-    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+    def __init__(self, message: str, ranks: tuple[int, ...] = (), detected_at: Optional[float] = None) -> None:
         super().__init__(message)
         self.ranks = ranks
+        #: When the controller saw the failure (``time.monotonic()``).
+        self.detected_at = time.monotonic() if detected_at is None else detected_at
+
+
+class HostsLostError(MeshFailureError):
+    """Hosts of the mesh were lost: their workers died and no new process started on them within
+    ``MonarchStrategy(connect_timeout=...)``. ``hosts`` names them by index in the mesh. Under
+    ``MonarchStrategy(min_nodes=...)`` a ``fit`` goes on without them while enough hosts remain
+    (``controller.elastic``); otherwise this is the error the run ends with."""
+
+    def __init__(
+        self, message: str, ranks: tuple[int, ...], hosts: tuple[int, ...], num_hosts: int, detected_at: float
+    ) -> None:
+        super().__init__(message, ranks, detected_at)
+        self.hosts = hosts
+        self.num_hosts = num_hosts
 
 
 class WorkerTimeoutError(MeshFailureError):

@@ -92,6 +92,13 @@ class MonarchFSDPStrategy(MonarchStrategy):
                 f" `MonarchStrategy` but `DistributedDataParallel`'s, and sharded workers do not use DDP. Remove"
                 " them."
             )
+        if kwargs.get("min_nodes") is not None:
+            raise ValueError(
+                f"`{owner}(min_nodes={kwargs['min_nodes']!r})`: elastic training goes on in a smaller world from a"
+                " checkpoint file that travels with the stage, and a sharded module's checkpoint is a directory of"
+                " shards that every worker writes for the world it ran in. Use `MonarchStrategy(min_nodes=...)` for a"
+                " module every worker holds whole, or `max_restarts` to replace dead workers on the same hosts."
+            )
         super().__init__(**kwargs)
         self.fsdp_policy = arguments.module_classes(owner, "fsdp_policy", fsdp_policy)
         self.mixed_precision = arguments.mixed_precision_policy(owner, mixed_precision)

@@ -384,6 +384,27 @@ class StageSpec:
     run_ahead: RunAhead
     #: Set when new workers replace failed ones: the snapshot they resume from.
     resume: Optional[ResumePoint] = None
+    #: A checkpoint file's bytes that travel with the stage, for workers on hosts that may not
+    #: reach the controller's disk: the workers resume from it instead of ``ckpt_path`` (an
+    #: elastic ``fit`` going on from its resume point in a smaller world, ``controller.elastic``).
+    checkpoint: Optional[bytes] = None
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    """The world a worker joins (``MonarchWorker.join_world``): what it needs to set torchrun's
+    environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) for its place in it. Made by
+    ``controller.world`` when the mesh starts and whenever elastic training changes its hosts."""
+
+    master_addr: str
+    master_port: int
+    #: Workers per host, and hosts.
+    local_world_size: int
+    group_world_size: int
+    #: The hosts' dimension of the mesh the worker's actor was spawned on (``None`` for one host).
+    host_dimension: Optional[str]
+    #: The group rank (the host's place in the world) of each host coordinate of that mesh.
+    group_ranks: dict[int, int]
 
 
 @dataclass(frozen=True)
@@ -441,14 +462,17 @@ class EveryNTrainSteps(SyncRule):
 
 @dataclass(frozen=True)
 class SnapshotEpochs(SyncRule):
-    """At the start of every ``every``-th training epoch after the first: where the controller
-    snapshots the workers for recovery."""
+    """At the start of every ``every``-th training epoch after the first (or from the first, with
+    ``first``): where the controller snapshots the workers for recovery, and keeps an elastic
+    ``fit``'s resume point (``controller.elastic``), which exists from the first epoch on."""
 
     every: int
+    first: bool = False
 
     @override
     def due(self, trainer: Any) -> bool:
-        return trainer.current_epoch > 0 and trainer.current_epoch % self.every == 0
+        epoch = trainer.current_epoch
+        return (epoch > 0 or self.first) and epoch % self.every == 0
 
 
 @dataclass(frozen=True)

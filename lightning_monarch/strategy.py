@@ -66,7 +66,8 @@ class MonarchStrategy(ParallelStrategy):
         hosts: where the workers run: nothing for this host, a Monarch job
             (``monarch.job.ProcessJob({"hosts": 2})``, ``SlurmJob``, ``KubernetesJob``...), a
             ``HostMesh`` (e.g. from ``attach_to_workers``), or a list of worker addresses
-            (``["tcp://node-1:26600", ...]``, each running ``run_worker_loop_forever``);
+            (``["tcp://node-1:26600", ...]``, each running ``run_worker_loop_forever``) or a
+            function that returns the current list (elastic training asks it again for lost hosts);
             ``Trainer(num_nodes=...)`` must equal its number of hosts, and each host runs
             ``devices`` workers.
         connect_timeout: seconds the hosts have to connect at ``Trainer(...)`` time before an
@@ -86,7 +87,16 @@ class MonarchStrategy(ParallelStrategy):
         snapshot_every_n_epochs: with ``max_restarts``, how often (in training epochs) the
             controller keeps a snapshot of the workers' state in memory, so that a recovery
             replays only the steps since the last one; epoch starts are where Lightning resumes
-            exactly.
+            exactly. With ``min_nodes``, how often a ``fit`` keeps its resume point.
+        min_nodes: elastic training, with ``hosts``: when hosts are lost (their workers died and no
+            new process starts on them within ``connect_timeout``), a ``fit`` goes on with the
+            surviving hosts' processes, from its latest resume point, while at least ``min_nodes``
+            hosts remain (``num_nodes`` is the most); with fewer, ``HostsLostError``. A lost host
+            that serves again at an address ``hosts`` names rejoins at the next resume point.
+            ``None`` (the default): a lost host ends the run.
+        keep_global_batch: with ``min_nodes``, grow ``accumulate_grad_batches`` by the lost share
+            of the world (``num_nodes`` / surviving hosts) so that every optimizer step sees the
+            same number of samples, where that ratio is a whole number (else a warning says so).
         step_timeout: seconds a message may wait for the workers before they count as hung
             (``WorkerTimeoutError`` naming the ranks that did not answer, or a restart); ``None``
             (the default) waits as long as a step takes.
@@ -119,6 +129,8 @@ class MonarchStrategy(ParallelStrategy):
         worker_callbacks: Optional[list[Callback]] = None,
         max_restarts: int = 0,
         snapshot_every_n_epochs: int = 1,
+        min_nodes: Optional[int] = None,
+        keep_global_batch: bool = True,
         step_timeout: Optional[float] = None,
         max_ahead: Optional[int] = DEFAULT_MAX_AHEAD,
         keep_warm: bool = True,
@@ -149,6 +161,10 @@ class MonarchStrategy(ParallelStrategy):
         self.snapshot_every_n_epochs = arguments.whole_number(
             owner, "snapshot_every_n_epochs", snapshot_every_n_epochs, 1, of="training epochs"
         )
+        self.min_nodes = arguments.whole_number(
+            owner, "min_nodes", min_nodes, 1, of="hosts", none="for no elastic training (a lost host ends the run)"
+        )
+        self.keep_global_batch = arguments.flag(owner, "keep_global_batch", keep_global_batch)
         self.step_timeout = arguments.number(
             owner, "step_timeout", step_timeout, above=0, of="seconds", none="to wait as long as a step takes"
         )
@@ -164,6 +180,8 @@ class MonarchStrategy(ParallelStrategy):
         self.keep_warm = arguments.flag(owner, "keep_warm", keep_warm)
         #: How many times this strategy's stages replaced their worker processes after a failure.
         self.restarts = 0
+        #: How many times an elastic ``fit`` of this strategy went on in a smaller world (``min_nodes``).
+        self.world_changes = 0
         self._host_mesh: Optional[Any] = None
         self._num_nodes = 1
         self._layer_sync: Optional[Any] = None
@@ -259,6 +277,8 @@ class MonarchStrategy(ParallelStrategy):
                 " workers run on this host only. Give the hosts, e.g. `MonarchStrategy(hosts=SlurmJob(...))`, or"
                 " use `num_nodes=1`."
             )
+        if self.min_nodes is not None:
+            self._check_min_nodes()
         if self.hosts is not None:
             gpus_per_host = len(self.parallel_devices or ()) if self.worker_accelerator == "cuda" else 0
             self._host_mesh = host_mesh(self.hosts, self.num_nodes, gpus_per_host, self.connect_timeout)
@@ -269,6 +289,21 @@ class MonarchStrategy(ParallelStrategy):
                 f"`Trainer(strategy='monarch', plugins=[{type(precision).__name__}(...)])`: the workers build their"
                 " precision plugin from the `precision=` flag, so a custom precision plugin would not reach"
                 " them. Pass `precision='bf16-mixed'` (or another precision string) instead."
+            )
+
+    def _check_min_nodes(self) -> None:
+        """``min_nodes`` counts hosts the run may go on with: some of the ``num_nodes`` it asks for."""
+        if self.hosts is None:
+            raise MisconfigurationException(
+                f"`MonarchStrategy(min_nodes={self.min_nodes})` lets a run go on when hosts are lost, but without"
+                " `MonarchStrategy(hosts=...)` every worker runs on this host, the controller's, which the run"
+                " cannot go on without. Give the hosts (a Monarch job or worker addresses), or drop `min_nodes`."
+            )
+        if self.min_nodes > self.num_nodes:
+            raise MisconfigurationException(
+                f"`MonarchStrategy(min_nodes={self.min_nodes})` is more than `Trainer(num_nodes={self.num_nodes})`:"
+                f" the run may go on with at most the {self.num_nodes} host(s) it asks for. Use"
+                f" `min_nodes<={self.num_nodes}`."
             )
 
     def _check_gpus_here(self) -> None:

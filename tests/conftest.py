@@ -56,8 +56,11 @@ def probe_warm_workers(endpoint: str) -> list[Any]:
     try:
         mesh = MESHES._idle[1]
         assert mesh.answers(), "the warm mesh's workers do not answer"
-        probe = mesh._procs.spawn("worker_probe", WorkerProbe)
-        return list(getattr(probe, endpoint).call().get(timeout=60).values())
+        answers = []
+        for part in mesh._world.parts:  # the warm mesh of a stage on this host: one part
+            probe = part.procs.spawn("worker_probe", WorkerProbe)
+            answers.extend(getattr(probe, endpoint).call().get(timeout=60).values())
+        return answers
     finally:
         MESHES.stop()
 

@@ -187,6 +187,24 @@ def dump_checkpoint(trainer: Trainer) -> dict[str, Any]:
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
+def as_stopped_before_epoch(checkpoint: dict[str, Any]) -> None:
+    """Make ``checkpoint``, taken at the start of a training epoch (where its first
+    ``on_train_epoch_start`` hook is called), resume as the checkpoint that ``trainer.save_checkpoint``
+    writes after a ``fit`` that stopped at the end of the previous epoch.
+
+    Lightning counts an epoch as ready just before those hooks (``_FitLoop.on_advance_start``) and
+    resumes a checkpoint of a ready epoch as one restarted in the middle of it, where the previous
+    epoch's batches count as this one's, so it would run none. With the epoch not counted, a resumed
+    Trainer begins it anew (its sampler epoch, its hooks, its batches), as a stopped run resumed does.
+    """
+    for counts in checkpoint["loops"]["fit_loop"]["epoch_progress"].values():
+        if counts["ready"] != counts["started"] + 1:
+            raise RuntimeError(
+                f"Expected a checkpoint taken at the start of a training epoch; its epoch counts: {counts}"
+            )
+        counts["ready"] -= 1
+
+
 def end_restart(trainer: Trainer) -> None:
     """From here on, let a Trainer resumed from a checkpoint run its fit loops as ordinary loops:
     clear the restart flags that loading the checkpoint set, as the end of an iteration does.

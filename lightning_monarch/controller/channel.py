@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from lightning_monarch.controller.checkpoints import SnapshotDirectory
 from lightning_monarch.controller.mesh import Message, WorkerMesh, by_rank
-from lightning_monarch.errors import DivergenceError, MeshFailureError, WorkerError
+from lightning_monarch.errors import DivergenceError, HostsLostError, MeshFailureError, WorkerError, WorkerTimeoutError
 from lightning_monarch.protocol import Entry, Release, ResumePoint, StageSpec
 
 log = logging.getLogger(__name__)
@@ -30,12 +30,20 @@ class StageChannel:
     """Runs on the controller: one stage's messages to the workers and entries from rank 0."""
 
     def __init__(
-        self, mesh: WorkerMesh, spec: StageSpec, max_restarts: int = 0, snapshots: Optional[SnapshotDirectory] = None
+        self,
+        mesh: WorkerMesh,
+        spec: StageSpec,
+        max_restarts: int = 0,
+        snapshots: Optional[SnapshotDirectory] = None,
+        lost_host_timeout: Optional[float] = None,
     ) -> None:
         """With ``max_restarts`` > 0, a dead or hung worker is replaced up to that many times, from
         the last snapshot: in this process's memory, or for a sharded module, in ``snapshots``,
-        where every rank writes its shards."""
+        where every rank writes its shards. With ``lost_host_timeout`` (elastic training), a dead
+        worker's host that does not serve a new process within that many seconds counts as lost:
+        ``HostsLostError`` then names it, for the launcher to go on without it."""
         self.mesh = mesh
+        self._lost_host_timeout = lost_host_timeout
         self._spec = spec
         #: How many times this stage replaced its worker processes.
         self.restarts = 0
@@ -134,8 +142,10 @@ class StageChannel:
 
     def _recover(self, failure: MeshFailureError, skip_last: bool = False) -> None:
         """Replace every worker process and bring the new ones to where the old ones were; raise
-        ``failure`` when no restart is left. ``skip_last``: the journal's last message is the one
-        that failed, which the caller sends again."""
+        ``failure`` when no restart is left, or ``HostsLostError`` when a host of the dead worker is
+        gone. ``skip_last``: the journal's last message is the one that failed, which the caller
+        sends again."""
+        self._raise_if_hosts_lost(failure)
         while True:
             journal = self._journal[:-1] if skip_last and self._journal else self._journal
             if journal is None or self._restarts_left <= 0:
@@ -172,6 +182,23 @@ class StageChannel:
                 self._restarts_left,
             )
             return
+
+    def _raise_if_hosts_lost(self, failure: MeshFailureError) -> None:
+        """With elastic training, raise ``HostsLostError`` if a dead worker's host is gone (a hung
+        worker's host is not: it answered that its process lives)."""
+        if self._lost_host_timeout is None or isinstance(failure, WorkerTimeoutError):
+            return
+        lost = self.mesh.lost_hosts(self._lost_host_timeout)
+        if lost:
+            raise HostsLostError(
+                f"Host(s) {lost} of the {len(self.mesh.slots)} the workers ran on were lost: no new process"
+                f" started there within {self._lost_host_timeout:g} s (`MonarchStrategy(connect_timeout=...)`)."
+                f" {failure}",
+                failure.ranks,
+                tuple(lost),
+                len(self.mesh.slots),
+                failure.detected_at,
+            ) from failure
 
     def _follow(self, recorded: list[Entry], position: int, target: int) -> int:
         """Take the new workers' entries up to ``target`` (counted from the origin), each checked

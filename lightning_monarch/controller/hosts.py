@@ -3,9 +3,9 @@
 Runs on the controller, at ``Trainer(...)`` time. ``MonarchStrategy(hosts=...)`` takes any of
 them and the workers are spawned on the resulting ``HostMesh`` with Monarch's own job layer
 (``ProcessJob``, ``SlurmJob``, ``KubernetesJob``, or ``attach_to_workers``), never a launcher of
-ours. Each host gets ``devices`` workers; ``setup_torch_elastic_env`` gives them torchrun's
-``RANK``, ``LOCAL_RANK``, ``GROUP_RANK`` (the node) and ``WORLD_SIZE``, which Lightning's DDP on
-each worker reads.
+ours. Each host gets ``devices`` workers; ``controller.world`` gives them torchrun's ``RANK``,
+``LOCAL_RANK``, ``GROUP_RANK`` (the node) and ``WORLD_SIZE``, which Lightning's DDP on each worker
+reads.
 
 Everything that can be checked before a job is submitted is checked first (the host mesh's name
 and size, a ``SlurmJob``'s options), so that a wrong configuration costs no queue wait. Then the
@@ -21,7 +21,7 @@ import shutil
 import socket
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.actor import HostMesh, attach_to_workers
@@ -39,14 +39,16 @@ HOSTS_MESH = "hosts"
 def host_mesh(hosts: Any, num_nodes: int, gpus_per_host: int, connect_timeout: float) -> HostMesh:
     """The ``HostMesh`` that ``hosts`` names, connected and checked against ``num_nodes``.
 
-    ``hosts`` is a Monarch job (its host mesh named ``hosts``), a ``HostMesh``, or a list of
-    worker addresses (``"tcp://node-1:26600"``, each serving ``run_worker_loop_forever``).
+    ``hosts`` is a Monarch job (its host mesh named ``hosts``), a ``HostMesh``, a list of worker
+    addresses (``"tcp://node-1:26600"``, each serving ``run_worker_loop_forever``), or a function
+    that returns the list (:func:`worker_addresses`).
     ``gpus_per_host`` is ``devices`` for GPU workers and 0 for CPU ones.
     """
     addresses: list[str] = []
+    hosts = worker_addresses(hosts) or hosts
     if isinstance(hosts, HostMesh):
         mesh = hosts
-    elif _is_address_list(hosts):
+    elif is_address_list(hosts):
         addresses = list(hosts)
         mesh = attach_to_workers(name=HOSTS_MESH, ca="trust_all_connections", workers=addresses)
     elif callable(getattr(hosts, "state", None)):
@@ -63,14 +65,24 @@ def host_mesh(hosts: Any, num_nodes: int, gpus_per_host: int, connect_timeout: f
         raise MisconfigurationException(
             f"`MonarchStrategy(hosts={type(hosts).__name__}(...))`: give a Monarch job (`monarch.job.ProcessJob`,"
             " `SlurmJob`, `KubernetesJob`, ...), a `HostMesh` (e.g. from `attach_to_workers`), a list of worker"
-            " addresses (`['tcp://node-1:26600', ...]`), or nothing for this host."
+            " addresses (`['tcp://node-1:26600', ...]`) or a function that returns one, or nothing for this host."
         )
     check_num_nodes(mesh, num_nodes)
     wait_for_hosts(mesh, addresses, connect_timeout)
     return mesh
 
 
-def _is_address_list(hosts: Any) -> bool:
+def worker_addresses(hosts: Any) -> Optional[list[str]]:
+    """The worker addresses ``hosts`` names now: the list itself, or the list a function given as
+    ``hosts`` returns (called again whenever an elastic ``fit`` looks for lost hosts that serve
+    again, so that a host that comes back at a new address is found); ``None`` for a Monarch job or
+    a ``HostMesh``."""
+    current = hosts() if callable(hosts) and not isinstance(hosts, HostMesh) else hosts
+    return list(current) if is_address_list(current) else None
+
+
+def is_address_list(hosts: Any) -> bool:
+    """Whether ``hosts`` is a list of worker addresses (``["tcp://node-1:26600", ...]``)."""
     return (
         isinstance(hosts, Sequence)
         and not isinstance(hosts, str)

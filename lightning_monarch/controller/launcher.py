@@ -27,15 +27,17 @@ from lightning_monarch.controller import preflight
 from lightning_monarch.controller.callbacks import check_controller_callbacks, check_worker_callbacks
 from lightning_monarch.controller.cells import blocks_the_cell
 from lightning_monarch.controller.channel import StageChannel
-from lightning_monarch.controller.checkpoints import SnapshotDirectory
+from lightning_monarch.controller.elastic import ElasticFit, HostsReturned
+from lightning_monarch.controller.mesh import WorkerMesh
 from lightning_monarch.controller.mirrors import plan_loaders
 from lightning_monarch.controller.payload import pack_for_workers
 from lightning_monarch.controller.plan import make_plan, states_can_travel
 from lightning_monarch.controller.pool import MESHES
 from lightning_monarch.controller.session import StageSession
 from lightning_monarch.controller.worker_warnings import WorkerWarnings
+from lightning_monarch.errors import HostsLostError
 from lightning_monarch.gates import install_hook_gates
-from lightning_monarch.protocol import LoaderRef, LoggerIdentity, StageSpec, TrainerConfig
+from lightning_monarch.protocol import LoaderRef, LoggerIdentity, SnapshotEpochs, StageSpec, TrainerConfig
 
 if TYPE_CHECKING:
     from lightning_monarch.strategy import MonarchStrategy
@@ -99,32 +101,28 @@ class MonarchLauncher(lightning_compat.Launcher):
         mesh = MESHES.acquire(key)
         mesh.step_timeout = self._strategy.step_timeout
         warned = WorkerWarnings(mesh.num_workers)
+        elastic = ElasticFit(self._strategy, trainer, mesh) if stage == "fit" and self._strategy.min_nodes else None
         ended_cleanly = False
-        snapshots: Optional[SnapshotDirectory] = None
-        channel: Optional[StageChannel] = None
         try:
             if not mesh.checked:
                 preflight.check(mesh, key.accelerator, key.process_group_backend)
-            snapshots = self._strategy._snapshot_directory()
-            channel = StageChannel(mesh, spec, self._strategy.max_restarts, snapshots)
-            channel.start()
-            session = StageSession(
-                trainer,
-                channel,
-                module,
-                datamodule,
-                self._strategy.worker_callbacks,
-                spec.run_ahead,
-                self._snapshot_every(),
-                sharded=spec.trainer.sharding is not None,
-                warned=warned,
-            )
-            self._strategy._attach(session)
-            with session.installed():
-                for name, value in loaders.items():
-                    arguments[name] = plan_loaders(LoaderRef.describe(value), loader_args[name], session.loaders)
-                result = function(**arguments)
-                session.finish(stage)
+            while True:
+                try:
+                    session, result = self._run_stage(trainer, function, arguments, spec, mesh, module, warned, elastic)
+                    break
+                except HostsLostError as lost:
+                    if elastic is None:
+                        raise
+                    elastic.shrink(lost)
+                except HostsReturned as returned:
+                    assert elastic is not None  # raised by it
+                    elastic.grow(returned)
+                # the world changed: the stage goes on from the resume point
+                warned.num_workers = mesh.num_workers
+                elastic.resume(arguments)
+                spec = elastic.sent_with_resume_point(
+                    self._stage_spec(stage, trainer, module, datamodule, loaders, arguments)
+                )
             warned.show_every_rank(mesh.take_warnings())
             if stage == "predict" and result is not None:
                 batch_sizes = [
@@ -140,17 +138,79 @@ class MonarchLauncher(lightning_compat.Launcher):
             silence = None
             raise
         finally:
-            self._strategy._attach(None)
-            self._strategy.restarts += channel.restarts if channel is not None else 0
-            MESHES.release(key, mesh, keep=self._strategy.keep_warm, failed=not ended_cleanly)
-            if snapshots is not None:
-                snapshots.remove()
+            # a mesh that lost hosts is not the one the strategy asks for: the next stage starts anew
+            keep = self._strategy.keep_warm and not (elastic is not None and elastic.changed)
+            MESHES.release(key, mesh, keep=keep, failed=not ended_cleanly)
+            if elastic is not None:
+                elastic.restore()
             if silence is not None:
                 silence()
 
-    def _snapshot_every(self) -> Optional[int]:
-        """Every how many training epochs the workers wait for a snapshot; ``None`` without restarts."""
-        return self._strategy.snapshot_every_n_epochs if self._strategy.max_restarts else None
+    def _run_stage(
+        self,
+        trainer: Trainer,
+        function: Callable,
+        arguments: dict[str, Any],
+        spec: StageSpec,
+        mesh: WorkerMesh,
+        module: LightningModule,
+        warned: WorkerWarnings,
+        elastic: Optional[ElasticFit],
+    ) -> tuple[StageSession, Any]:
+        """Run Lightning's ``function`` with the controller's loop following the workers of ``mesh``,
+        which run ``spec``; the session it ran and the function's result. On ``HostsLostError`` the mesh is
+        left as the failure left it, for an elastic ``fit`` to go on in a smaller world."""
+        strategy = self._strategy
+        stage = spec.fn
+        loader_args = _LOADER_STAGES[stage]
+        snapshots = strategy._snapshot_directory()
+        channel = StageChannel(
+            mesh,
+            spec,
+            strategy.max_restarts,
+            snapshots,
+            lost_host_timeout=strategy.connect_timeout if elastic is not None else None,
+        )
+        try:
+            channel.start()
+            session = StageSession(
+                trainer,
+                channel,
+                module,
+                arguments.get("datamodule"),
+                strategy.worker_callbacks,
+                spec.run_ahead,
+                self._snapshots(),
+                elastic,
+                sharded=spec.trainer.sharding is not None,
+                warned=warned,
+            )
+            strategy._attach(session)
+            with session.installed():
+                calling = dict(arguments)
+                for name in loader_args:
+                    if arguments.get(name) is not None:
+                        calling[name] = plan_loaders(
+                            LoaderRef.describe(arguments[name]), loader_args[name], session.loaders
+                        )
+                result = function(**calling)
+                session.finish(stage)
+            return session, result
+        finally:
+            strategy._attach(None)
+            strategy.restarts += channel.restarts
+            if snapshots is not None:
+                snapshots.remove()
+
+    def _snapshots(self) -> Optional[SnapshotEpochs]:
+        """When the workers wait for a snapshot: every ``snapshot_every_n_epochs`` training epochs
+        with restarts (from the second) or elastic training (from the first); ``None`` otherwise."""
+        strategy = self._strategy
+        if strategy.min_nodes:
+            return SnapshotEpochs(strategy.snapshot_every_n_epochs, first=True)
+        if strategy.max_restarts:
+            return SnapshotEpochs(strategy.snapshot_every_n_epochs)
+        return None
 
     def _stage_spec(
         self,
@@ -215,7 +275,7 @@ class MonarchLauncher(lightning_compat.Launcher):
             run_ahead=make_plan(
                 trainer.callbacks,  # type: ignore[attr-defined]
                 strategy.max_ahead,
-                self._snapshot_every(),
+                self._snapshots(),
                 states_travel=states_can_travel(module, strategy.worker_callbacks, sharding is not None),
             ),
         )

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Optional
 
 from monarch.actor import HostMesh, ProcMesh, this_host
-from monarch.spmd import setup_torch_elastic_env
 
 from lightning_monarch._compat.monarch import SupervisionError, failed_rank
 from lightning_monarch.codec import decode
 from lightning_monarch.controller.hosts import host_count
 from lightning_monarch.controller.output import WorkerOutput
 from lightning_monarch.controller.watch import POLL_S, ProcessWatch
+from lightning_monarch.controller.world import WorkerWorld
 from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError
 from lightning_monarch.protocol import (
     Entry,
@@ -34,13 +34,15 @@ from lightning_monarch.protocol import (
     WorkerFailure,
     WorkerReport,
 )
-from lightning_monarch.worker.actor import MonarchWorker
 from lightning_monarch.worker.process import LOCAL_DIMENSION, start_worker_process
 
 log = logging.getLogger(__name__)
 
 #: How long stopping a mesh may take before the controller gives up waiting on it.
 _STOP_TIMEOUT_S = 30.0
+#: How long stopping a mesh that lost hosts waits: Monarch stops the live processes at once, but
+#: waits for the lost ones' answer until this passes.
+_STOP_LOST_HOSTS_S = 5.0
 #: How long an idle mesh may take to answer before the controller starts a new one instead.
 _PING_TIMEOUT_S = 5.0
 #: How long a survivor's collective error waits, with workers on other hosts, for Monarch's
@@ -98,10 +100,15 @@ class WorkerMesh:
         self.num_workers = per_host * host_count(hosts)
         self._hosts = hosts
         self._per_host = per_host
-        self._gpu_indices = gpu_indices
         self._output = output
-        self._hold_warnings = hold_warnings
-        self._procs: Optional[ProcMesh] = None
+        self._bootstrap = functools.partial(
+            start_worker_process, f"lightning_monarch-{uuid.uuid4().hex[:12]}", gpu_indices, hold_warnings
+        )
+        #: The worker processes, their actors and ranks; ``None`` once stopped.
+        self._world: Optional[WorkerWorld] = None
+        self._watch = ProcessWatch([])
+        #: Whether hosts of this mesh were found lost (:meth:`lost_hosts`).
+        self._lost = False
         #: How long a message may wait for the workers before they count as hung; ``None`` waits.
         self.step_timeout: Optional[float] = None
         #: Whether ``controller.preflight`` checked these workers.
@@ -127,30 +134,36 @@ class WorkerMesh:
         mesh._start()
         return mesh
 
-    def _start(self) -> None:
+    def _start(self, layout: Optional[list[tuple[HostMesh, list[int]]]] = None) -> None:
         """On each host, ``per_host`` worker processes (the local ranks), each started by
         ``worker.process`` as a torchrun rank, a GPU worker pinned to the ``devices=`` index of its
-        local rank; then a ``MonarchWorker`` in each, which says who it is. Workers on other hosts
-        forward their output here (``WorkerOutput``)."""
-        bootstrap = functools.partial(
-            start_worker_process, f"lightning_monarch-{uuid.uuid4().hex[:12]}", self._gpu_indices, self._hold_warnings
-        )
+        local rank; then a ``MonarchWorker`` in each, which takes its rank (``controller.world``) and
+        says who it is. Workers on other hosts forward their output here (``WorkerOutput``).
+        ``layout``: the hosts and their slots, by default every host of the mesh."""
         WorkerOutput.forward_new_processes(self._output is not None)
-        procs = self._hosts.spawn_procs(per_host={LOCAL_DIMENSION: self._per_host}, bootstrap=bootstrap)
+        world = WorkerWorld(self._per_host, self._spawn_procs, "lightning_monarch_worker")
+        self._world = world
         try:
-            setup_torch_elastic_env(procs)
-            if self._output is not None:
-                self._output.stream(procs)
-            self._attach(procs)
+            for hosts, slots in layout or [(self._hosts, list(range(host_count(self._hosts))))]:
+                world.add(hosts, slots)
+            world.join()
+            self._attach()
         except BaseException:
-            procs.stop().get(timeout=_STOP_TIMEOUT_S)
-            self._procs = None
+            self.stop()
             raise
 
-    def _attach(self, procs: ProcMesh) -> None:
-        self._procs = procs
-        self._workers = procs.spawn("lightning_monarch_worker", MonarchWorker)
-        self._rank0 = self._workers.slice(**dict.fromkeys(self._workers.extent.labels, 0))
+    def _spawn_procs(self, hosts: HostMesh) -> ProcMesh:
+        procs = hosts.spawn_procs(per_host={LOCAL_DIMENSION: self._per_host}, bootstrap=self._bootstrap)
+        if self._output is not None:
+            self._output.stream(procs)
+        return procs
+
+    def _attach(self) -> None:
+        """Address the world's workers, and watch their processes."""
+        assert self._world is not None
+        self._workers = self._world.workers
+        self._rank0 = self._world.rank0
+        self.num_workers = self._world.num_workers
         self._watch = ProcessWatch([])  # nothing to watch until the workers said who they are
         self._watch = ProcessWatch(self._gather(self._workers.process_id.stream()))
         #: Each rank's process ID, in rank order.
@@ -246,7 +259,7 @@ class WorkerMesh:
         """The warnings every rank holds (``worker.held_warnings``), as many as answer within
         :data:`_TAKE_WARNINGS_S`: after a failure a rank may be dead, or busy with a request that
         never ends, and its warnings go with it."""
-        if self._procs is None:
+        if self._world is None:
             return []
         deadline = time.monotonic() + _TAKE_WARNINGS_S
         answers = []
@@ -272,7 +285,7 @@ class WorkerMesh:
 
     def require_processes(self, action: str, call: str) -> None:
         """Raise if this mesh, and a sharded module's shards with it, was stopped."""
-        if self._procs is None:
+        if self._world is None:
             raise RuntimeError(
                 "The worker mesh of that stage was stopped, and the module's shards with it (by"
                 " `MonarchStrategy(keep_warm=False)`, `lightning_monarch.stop_meshes()`, a failure, or a stage with"
@@ -283,23 +296,89 @@ class WorkerMesh:
         """Stop every worker process. Idempotent. ``kill`` first kills the processes on this host
         by process ID: after a failure they may be stuck (in a collective, or hung), and would not
         stop when asked."""
-        procs, self._procs = self._procs, None
-        if procs is None:
+        world, self._world = self._world, None
+        if world is None:
             return
         if kill:
             self._watch.kill()
-        try:
-            procs.stop().get(timeout=_STOP_TIMEOUT_S)
-        except Exception as error:  # the mesh may already be gone; stopping must not mask the cause
-            log.warning("Stopping the worker mesh failed: %s", error)
+        for procs in world.owned:
+            try:
+                procs.stop().get(timeout=_STOP_LOST_HOSTS_S if self._lost else _STOP_TIMEOUT_S)
+            except Exception as error:  # the mesh may already be gone; stopping must not mask the cause
+                if not self._lost:  # a lost host never answers
+                    log.warning("Stopping the worker mesh failed: %s", error)
+
+    # ----- lost hosts (elastic training) ------------------------------------------------------
+
+    @property
+    def slots(self) -> list[int]:
+        """The slots of the hosts the mesh runs on now (their indices among the hosts it started on)."""
+        assert self._world is not None
+        return self._world.slots
+
+    def lost_hosts(self, timeout: float) -> list[int]:
+        """The slots of the hosts that do not serve a new process within ``timeout`` seconds: their
+        host process is gone, not only a worker. Every host is asked, at once (a live one answers in
+        a second or two): a death on another host is named by Monarch's report in the coordinates of
+        the mesh the worker started in, which after a world change are not its rank's."""
+        world = self._world
+        assert world is not None
+        slots = world.slots
+        probes = {slot: world.hosts_of(slot).spawn_procs(per_host={LOCAL_DIMENSION: 1}) for slot in slots}
+        deadline = time.monotonic() + timeout
+        lost = []
+        for slot, probe in probes.items():
+            try:
+                probe.initialized.get(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # timed out, or Monarch reported the host gone
+                lost.append(slot)
+                continue
+            try:
+                probe.stop().get(timeout=_STOP_TIMEOUT_S)
+            except Exception as error:
+                log.warning("Stopping the process that showed host %d lives failed: %s", slot, error)
+        self._lost = self._lost or bool(lost)
+        return lost
+
+    def shrink(self, lost: list[int]) -> list[int]:
+        """Go on without the hosts in slots ``lost``, keeping the other hosts' processes, as a
+        smaller world: each worker leaves its failed stage and its process group and takes its
+        place in the new world (``controller.world``). Returns the slots of live hosts left out."""
+        assert self._world is not None
+        idle = self._world.remove(lost)
+        self._leave_world()
+        self._world.join()
+        self._death = None
+        self._attach()
+        return idle
+
+    def grow(self, hosts: dict[int, HostMesh]) -> None:
+        """Start workers on ``hosts``, each of which fills its slot again, and go on as a larger world
+        with them: every other worker keeps its process, leaves the stage it is parked in and its
+        process group, and takes its place in the new world."""
+        assert self._world is not None
+        self._leave_world()
+        for slot, mesh in sorted(hosts.items()):
+            self._world.add(mesh, [slot])
+        self._world.join()
+        self._attach()
+
+    def _leave_world(self) -> None:
+        """Every worker of the world leaves its stage and process group (not through ``_gather``:
+        its process watch may still see the dead)."""
+        assert self._world is not None
+        for left in self._world.workers.leave_world.stream():
+            left.get(timeout=_STOP_TIMEOUT_S)
 
     # ----- delivery ---------------------------------------------------------------------------
 
     def replace_processes(self) -> None:
-        """Kill the worker processes and start new ones in their place (``controller.channel``)."""
+        """Kill the worker processes and start new ones in their place, on the same hosts (``controller.channel``)."""
+        assert self._world is not None
+        layout = [(part.hosts, part.slots) for part in self._world.parts]
         self.stop(kill=True)
         self._death = None
-        self._start()
+        self._start(layout)
 
     def _gather(self, futures: Iterable[Any], timeout: Optional[float] = None) -> list[Any]:
         """Every rank's answer, in the order they arrive. The first failing rank raises without

@@ -181,13 +181,13 @@ def saves_on_workers(module: LightningModule, worker_callbacks: Iterable[Callbac
 def make_plan(
     callbacks: Iterable[Callback],
     max_ahead: Optional[int],
-    snapshot_every_n_epochs: Optional[int],
+    snapshots: Optional[SnapshotEpochs],
     plateau_intervals: Iterable[str] = (),
     states_travel: bool = False,
 ) -> RunAhead:
     """The run-ahead plan for a stage whose controller runs ``callbacks``: ``max_ahead`` as given
-    (``MonarchStrategy(max_ahead=...)``), a sync gate at every snapshot with restarts
-    (``snapshot_every_n_epochs``), the metric views where Lightning's own loop reads them for
+    (``MonarchStrategy(max_ahead=...)``), a sync gate at every snapshot (``snapshots``, with
+    restarts or elastic training), the metric views where Lightning's own loop reads them for
     ``ReduceLROnPlateau`` schedulers stepped every ``"epoch"`` or ``"step"`` (``plateau_intervals``),
     and, where ``states_travel`` (:func:`states_can_travel`), rank 0's checkpoint state in the
     entries where a ``ModelCheckpoint`` saves from them (:func:`saves_from_entries`)."""
@@ -195,8 +195,8 @@ def make_plan(
     states: dict[str, list[SyncRule]] = {}
     views: set[str] = set()
     outputs: set[str] = set()
-    if snapshot_every_n_epochs is not None:
-        rules.setdefault(SNAPSHOT_GATE, []).append(SnapshotEpochs(snapshot_every_n_epochs))
+    if snapshots is not None:
+        rules.setdefault(SNAPSHOT_GATE, []).append(snapshots)
     for callback in callbacks:
         staged = states_travel and saves_from_entries(callback)
         # ``saves_from_entries`` holds only for a ``ModelCheckpoint``

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.callbacks import check_controller_callbacks
 from lightning_monarch.controller.channel import StageChannel
+from lightning_monarch.controller.elastic import ElasticFit
 from lightning_monarch.controller.metrics import MetricOrigins, mirror_metrics
 from lightning_monarch.controller.mirrors import OptimizerMirror, WorkerLoaders, optimizer_mirrors, plan_loaders
 from lightning_monarch.controller.plan import (
@@ -57,6 +58,7 @@ from lightning_monarch.protocol import (
     RankStats,
     Release,
     RunAhead,
+    SnapshotEpochs,
     control_state,
 )
 
@@ -74,7 +76,8 @@ class StageSession:
         datamodule: Optional[LightningDataModule],
         worker_callbacks: list[Callback],
         plan: RunAhead,
-        snapshot_every_n_epochs: Optional[int] = None,
+        snapshots: Optional[SnapshotEpochs] = None,
+        elastic: Optional[ElasticFit] = None,
         sharded: bool = False,
         warned: Optional[WorkerWarnings] = None,
     ) -> None:
@@ -87,7 +90,9 @@ class StageSession:
         self._datamodule = datamodule
         self._gate_callback = GateCallback(self.around)
         self._plan = plan
-        self._snapshot_every = snapshot_every_n_epochs
+        #: When the workers wait for a snapshot; and an elastic ``fit``, which keeps its resume points there.
+        self._snapshots = snapshots
+        self._elastic = elastic
         #: Shows rank 0's warnings as its entries are taken (``controller.worker_warnings``).
         self._warned = warned if warned is not None else WorkerWarnings(channel.mesh.num_workers)
         #: Entries fetched and not taken yet, and the last one taken.
@@ -152,7 +157,9 @@ class StageSession:
             return self._materialize(gate, self._ahead[gate].popleft())
         self._leave()
         entry = self._take(gate)
-        if gate == SNAPSHOT_GATE and entry.sync and self._snapshot_every is not None:
+        if gate == SNAPSHOT_GATE and entry.sync and self._snapshots is not None:
+            if self._elastic is not None:
+                self._elastic.at_resume_point(self._trainer)
             self._channel.snapshot(self._trainer.current_epoch)
         self._replay = deque(entry.nested)
         try:
@@ -364,7 +371,7 @@ class StageSession:
         plan = make_plan(
             callbacks,
             self._plan.max_ahead,
-            self._snapshot_every,
+            self._snapshots,
             plateau_intervals(self._trainer.lr_scheduler_configs),
             states_can_travel(self._module, self._worker_callbacks, self._sharded),
         )

@@ -32,7 +32,8 @@ class WorkerWarnings:
     each once."""
 
     def __init__(self, num_workers: int) -> None:
-        self._num_workers = num_workers
+        #: How many ranks there are: a warning that every rank raised shows without their list.
+        self.num_workers = num_workers
         self._shown: set[WorkerWarning] = set()
 
     def show_rank0(self, warned: Iterable[WorkerWarning]) -> None:
@@ -53,7 +54,7 @@ class WorkerWarnings:
             if warning in self._shown:
                 continue
             self._shown.add(warning)
-            self._show(warning, "" if len(ranks) == self._num_workers else f" ({_ranks(sorted(ranks))})")
+            self._show(warning, "" if len(ranks) == self.num_workers else f" ({_ranks(sorted(ranks))})")
 
     def _show(self, warning: WorkerWarning, label: str) -> None:
         module = _MODULES.get(warning.filename)

@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import LightningModule
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, current_rank, endpoint
 
 from lightning_monarch.codec import encode
 from lightning_monarch.protocol import (
@@ -32,11 +32,13 @@ from lightning_monarch.protocol import (
     StageSpec,
     WorkerFailure,
     WorkerReport,
+    WorldSpec,
 )
 from lightning_monarch.worker.checkpoints import save_shards
 from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.loop import StageLoop
 from lightning_monarch.worker.preflight import inspect_worker
+from lightning_monarch.worker.process import LOCAL_DIMENSION, leave_process_group, torch_elastic_env
 from lightning_monarch.worker.sharding import full_state_dict, is_sharded
 from lightning_monarch.worker.stage import build_stage
 from lightning_monarch.worker.stats import RankStatsReader
@@ -77,6 +79,37 @@ class MonarchWorker(Actor):
         """Drop the finished stage, so that a warm worker holds no model, optimizer or data; but
         a sharded module, whose shards exist nowhere else, until the next stage starts (for
         ``full_state_dict``)."""
+        self._drop_stage()
+
+    @endpoint
+    def free_port(self) -> tuple[str, int]:
+        """This host's name and a port free on it, for the world's ``MASTER_ADDR`` and ``MASTER_PORT``."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("", 0))
+            return socket.gethostname(), probe.getsockname()[1]
+
+    @endpoint
+    def join_world(self, world: WorldSpec) -> None:
+        """Take this worker's torchrun environment in ``world`` (``worker.process``): when the mesh
+        starts, and when elastic training changed its hosts; the next stage's ``DDPStrategy`` forms
+        its process group from it."""
+        point = current_rank()
+        host = point[world.host_dimension] if world.host_dimension is not None else 0
+        os.environ.update(torch_elastic_env(world, host, point[LOCAL_DIMENSION]))
+
+    @endpoint
+    def leave_world(self) -> None:
+        """A host of the mesh was lost (elastic training, ``controller.elastic``): drop the failed
+        stage and this process's ``torch.distributed`` group, whose peers are gone. The controller
+        then gives the surviving processes the torch elastic environment of the smaller world, and
+        the next stage's ``DDPStrategy`` forms its group from it, in this same process. A stage
+        parked at a sync gate (the world grows at an epoch's start) is abandoned there."""
+        if self._stage is not None:
+            self._stage.abandon()
+        self._drop_stage()
+        leave_process_group()
+
+    def _drop_stage(self) -> None:
         if self._stage is not None:
             self._stage.join(timeout=5.0)
             module = self._stage.state.module  # None if the stage never ran

@@ -61,6 +61,17 @@ FETCH_LINGER_S = 0.02
 FETCH_SPAN_S = 0.1
 
 
+class StageAbandoned(BaseException):
+    """Raised on the loop thread, at the sync gate it is parked at, when the controller abandons
+    the stage there (an elastic ``fit`` goes on in a grown world from that gate): it unwinds the
+    worker's Lightning loop as an interrupt does, so that the loop thread ends."""
+
+
+@dataclass(frozen=True)
+class _Abandon:
+    """In the inbox: abandon the stage at the sync gate (:class:`StageAbandoned`)."""
+
+
 @dataclass
 class _OutOfBand:
     """A request the loop thread serves while parked (R5): ``fn``'s value or error, when ``done``."""
@@ -94,7 +105,7 @@ class StageLoop:
         self._resume = resume
         self._cond = threading.Condition()
         #: Releases and out-of-band requests, in the order the controller sent them.
-        self._inbox: deque[Union[Release, _OutOfBand]] = deque()
+        self._inbox: deque[Union[Release, _OutOfBand, _Abandon]] = deque()
         #: Rank 0's entries that the controller has not fetched yet, and when the first was recorded.
         self._entries: list[Entry] = []
         self._first_entry_at = 0.0
@@ -179,6 +190,14 @@ class StageLoop:
         with self._cond:
             self._inbox.append(release)
             self._cond.notify_all()
+
+    def abandon(self) -> None:
+        """Runs on the endpoint thread: end the stage at the sync gate this rank is parked at, or
+        parks at next (:class:`StageAbandoned`); nothing if it has ended."""
+        with self._cond:
+            if self._ended is None:
+                self._inbox.append(_Abandon())
+                self._cond.notify_all()
 
     def out_of_band(self, fn: Callable[[], Any]) -> Any:
         """Runs on the endpoint thread: ``fn``'s value, run on the loop thread where it is parked at
@@ -360,6 +379,9 @@ class StageLoop:
                 item = self._inbox.popleft()
                 if isinstance(item, Release):
                     break
+                if isinstance(item, _Abandon):
+                    self._parked = False
+                    raise StageAbandoned(f"The controller abandoned the stage at `{self._gate}`.")
                 self._cond.release()
                 try:
                     item.value = item.fn()

@@ -4,8 +4,9 @@ Runs once in each worker process, as Monarch's proc bootstrap (``HostMesh.spawn_
 before any actor of ours and before anything touches a GPU. It makes the process what a
 ``torchrun`` rank is, with one GPU of its own:
 
-- ``TORCHELASTIC_RUN_ID`` is set, as torchrun sets it. Monarch's ``setup_torch_elastic_env`` gives
-  the ranks (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ...) but not this; Lightning reads it to know
+- ``TORCHELASTIC_RUN_ID`` is set, as torchrun sets it. The ranks (``RANK``, ``LOCAL_RANK``,
+  ``WORLD_SIZE``, ...) come later, from the controller (:func:`torch_elastic_env`), but not this;
+  Lightning reads it to know
   that each process of an elastic launch may see one GPU only, and otherwise parses
   ``devices=8`` against the one GPU a pinned worker sees and refuses it.
 - A GPU worker pins itself to its device (``lightning_monarch.devices.pin``), from the
@@ -26,10 +27,12 @@ import os
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.actor import current_rank
 
 from lightning_monarch.devices import pin
+from lightning_monarch.protocol import WorldSpec
 from lightning_monarch.worker.held_warnings import HELD
 
 #: The variable torchrun sets for every rank of an elastic launch.
@@ -58,3 +61,34 @@ def start_worker_process(run_id: str, gpu_indices: Optional[tuple[int, ...]], ho
         pinning_problem = str(error)
         variable, device = ("HIP_VISIBLE_DEVICES" if rocm else "CUDA_VISIBLE_DEVICES"), ""
     os.environ[variable] = device
+
+
+def leave_process_group() -> None:
+    """Destroy this process's default ``torch.distributed`` group, if it has one: after a peer's
+    host was lost, the group cannot run another collective, and the next stage's ``DDPStrategy``
+    forms a new one only where none is initialized. A gloo group with a dead peer is destroyed in
+    milliseconds (measured); NCCL and RCCL groups are not yet measured in that state."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def torch_elastic_env(world: WorldSpec, host: int, local_rank: int) -> dict[str, str]:
+    """torchrun's environment for the worker with ``local_rank`` on the host at coordinate ``host``
+    of its mesh, in ``world``: the variables Monarch's ``setup_torch_elastic_env`` sets, which
+    Lightning's ``TorchElasticEnvironment`` and ``torch.distributed`` read."""
+    group_rank = world.group_ranks[host]
+    rank = group_rank * world.local_world_size + local_rank
+    world_size = world.group_world_size * world.local_world_size
+    return {
+        "MASTER_ADDR": world.master_addr,
+        "MASTER_PORT": str(world.master_port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(world.local_world_size),
+        "GROUP_RANK": str(group_rank),
+        "GROUP_WORLD_SIZE": str(world.group_world_size),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "ROLE_NAME": "rank",
+        "WORLD_SIZE": str(world_size),
+    }

@@ -54,9 +54,11 @@ _CALLBACKS_MISSING_WARNING = "Be aware that when using `ckpt_path`, callbacks us
 def build_stage(spec: StageSpec, rank: int) -> StageLoop:
     """Unpack the stage's objects, build this rank's Trainer and return its (not yet started) loop.
 
-    A replacement worker (``spec.resume``) resumes from the snapshot's checkpoint, written to a
-    temporary file for Lightning's ``ckpt_path`` and removed when the stage ends; or, for a
-    sharded module, from the snapshot's sharded checkpoint directory, given as ``ckpt_path``.
+    A replacement worker (``spec.resume``) resumes from the snapshot's checkpoint, and every
+    worker of an elastic ``fit`` that goes on in a smaller world from the checkpoint sent with the
+    stage (``spec.checkpoint``), written to a temporary file for Lightning's ``ckpt_path`` and
+    removed when the stage ends; or, for a sharded module, from the snapshot's sharded checkpoint
+    directory, given as ``ckpt_path``.
     """
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -110,8 +112,8 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
     if datamodule is not None:
         install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, around)
     ckpt_path, snapshot_file = spec.ckpt_path, None
-    if spec.resume is not None:
-        checkpoint = spec.resume.checkpoint
+    checkpoint = spec.resume.checkpoint if spec.resume is not None else spec.checkpoint
+    if checkpoint is not None:
         if isinstance(checkpoint, str):
             ckpt_path = checkpoint  # a sharded snapshot's directory, which the controller removes
         else:

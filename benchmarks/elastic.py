@@ -1,0 +1,168 @@
+"""Elastic-training benchmark: host 1 of 2 (a ``ProcessJob``, 1 CPU worker each) lost mid-fit, medium model.
+
+    python -m benchmarks.elastic
+
+Each case runs in a fresh process; the figures go to ``benchmarks/results/elastic.json``,
+``elastic.md`` and ``elastic.png``. From the death to the next finished training step:
+
+- ``monarch, min_nodes=1``: host 1's host process and worker SIGKILLed; the controller waits
+  ``connect_timeout`` for a new process there, then goes on with host 0's worker (kept) from the
+  resume point at the epoch's start;
+- ``monarch, max_restarts=1``: only host 1's worker SIGKILLed, the host lives: new processes on
+  both hosts, resumed from the epoch's snapshot and the steps since replayed;
+- the alternative a user has today: a new ``ddp`` run with one process fewer (doubled
+  ``accumulate_grad_batches``) and ``fit(ckpt_path="last.ckpt")``, from its launch to its first
+  step, not counting the time to notice the failure and relaunch.
+
+Steps redone: the steps between the point a case resumes from and the death.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from contextlib import suppress
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import psutil
+import torch
+from monarch.job import ProcessJob
+
+from benchmarks.fresh import RESULTS, FirstStep, run_cases
+from benchmarks.recovery import BATCHES, CHECKPOINT_EVERY, KILL_AT, SIZE, STEPS, fault_trainer
+from lightning_monarch import MonarchStrategy, stop_meshes
+from lightning_monarch.benchmark.models import BenchModel
+
+#: The run of ``benchmarks.recovery``: 10 steps per epoch, the death 5 steps after the epoch-3 start.
+STEPS_PER_EPOCH = BATCHES // 2
+#: How long the lost host has to serve a new process (``MonarchStrategy(connect_timeout=...)``).
+CONNECT_TIMEOUT_S = 5.0
+
+
+class KillHost1(L.Callback):
+    """At step ``KILL_AT``, SIGKILLs worker rank 1 and, with ``whole_host``, its host process and
+    everything it started; records when, and when the next training step ended."""
+
+    def __init__(self, whole_host: bool) -> None:
+        self.whole_host = whole_host
+        self.killed_at: Optional[float] = None
+        self.resumed_at: Optional[float] = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.killed_at is None and trainer.global_step == KILL_AT:
+            worker = trainer.strategy.worker_pids[1]
+            if self.whole_host:
+                os.killpg(psutil.Process(worker).ppid(), signal.SIGKILL)  # a ProcessJob host has its own session
+            with suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+            self.killed_at = time.monotonic()
+        elif self.killed_at is not None and self.resumed_at is None:
+            self.resumed_at = time.monotonic()
+
+
+def run_case(case: str, scratch: Path) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    L.seed_everything(0)
+    if case == "ddp_restart_one_fewer":
+        trainer = fault_trainer("ddp", [FirstStep()], scratch / case, devices=1, accumulate_grad_batches=2)
+        trainer.fit(BenchModel(SIZE, BATCHES), ckpt_path=str(scratch / "monarch_shrink" / "last.ckpt"))
+        return {}
+    shrink = case == "monarch_shrink"
+    killer = KillHost1(whole_host=shrink)
+    strategy = MonarchStrategy(
+        hosts=(job := ProcessJob({"hosts": 2})),
+        connect_timeout=CONNECT_TIMEOUT_S,
+        **({"min_nodes": 1} if shrink else {"max_restarts": 1}),
+    )
+    try:
+        trainer = fault_trainer(strategy, [killer], scratch / case, devices=1, num_nodes=2)
+        trainer.fit(BenchModel(SIZE, BATCHES))
+    finally:
+        stop_meshes()
+        job.kill()
+    assert killer.killed_at is not None and killer.resumed_at is not None
+    return {
+        "resumed_s": killer.resumed_at - killer.killed_at,
+        "world_changes": strategy.world_changes,
+        "restarts": strategy.restarts,
+        "global_step": trainer.global_step,
+    }
+
+
+def main() -> None:
+    results = run_cases(
+        "benchmarks.elastic",
+        __doc__.splitlines()[0],
+        run_case,
+        ("monarch_shrink", "monarch_restart", "ddp_restart_one_fewer"),
+        "ddp_restart_one_fewer",
+    )
+    if results is None:  # one case, run in this process
+        return
+    redone = {
+        "monarch_shrink": KILL_AT % STEPS_PER_EPOCH,
+        "monarch_restart": KILL_AT % STEPS_PER_EPOCH,
+        "ddp_restart_one_fewer": KILL_AT % CHECKPOINT_EVERY,
+    }
+    for case, steps in redone.items():
+        results[case]["steps_redone"] = steps
+    results["setup"] = {
+        "model": SIZE,
+        "steps": STEPS,
+        "steps_per_epoch": STEPS_PER_EPOCH,
+        "killed_at_step": KILL_AT,
+        "checkpoint_every": CHECKPOINT_EVERY,
+        "connect_timeout_s": CONNECT_TIMEOUT_S,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "elastic.json").write_text(json.dumps(results, indent=2))
+    rows = [
+        (
+            f"monarch, `min_nodes=1`: host lost, going on with 1 worker (of which {CONNECT_TIMEOUT_S:g} s is"
+            " `connect_timeout`, waiting for the lost host)",
+            results["monarch_shrink"]["resumed_s"],
+            redone["monarch_shrink"],
+        ),
+        (
+            "monarch, `max_restarts=1`: worker dead, host alive: new processes, replay",
+            results["monarch_restart"]["resumed_s"],
+            redone["monarch_restart"],
+        ),
+        (
+            "`ddp` with one process fewer from `last.ckpt`: launch to first step (not counting detection)",
+            results["ddp_restart_one_fewer"]["first_step_s"],
+            redone["ddp_restart_one_fewer"],
+        ),
+    ]
+    table = "\n".join(
+        ["| what | seconds to the next step | steps redone |", "|---|---|---|"]
+        + [f"| {what} | {seconds:.2f} | {steps} |" for what, seconds, steps in rows]
+    )
+    (RESULTS / "elastic.md").write_text(table + "\n")
+    _plot(rows, RESULTS / "elastic.png")
+    print(table)
+
+
+def _plot(rows: list[tuple[str, float, int]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = ["monarch: shrink\n(host lost)", "monarch: restart\n(host alive)", "ddp: restart one\nfewer from ckpt"]
+    figure, axis = plt.subplots(figsize=(6.5, 3.5))
+    axis.bar(labels, [seconds for _, seconds, _ in rows], color=["tab:blue", "tab:blue", "tab:orange"])
+    for index, (_, seconds, steps) in enumerate(rows):
+        axis.annotate(f"{steps} steps redone", (index, seconds), ha="center", va="bottom")
+    axis.set_ylabel("seconds after the death (lower is better)")
+    axis.set_title(f"Host 1 of 2 lost at step {KILL_AT}, {SIZE} model, CPU")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Elastic training: a ``fit`` that loses hosts goes on with the hosts it has, and takes them back.
+
+Runs on the controller. Under ``MonarchStrategy(min_nodes=M)`` a ``fit`` keeps a resume point at
+each snapshot gate, the start of every ``snapshot_every_n_epochs``-th training epoch, where the
+workers wait (:class:`ResumePoints`). When the workers of a host die and no new process starts on
+it within ``connect_timeout`` (``StageChannel`` raises ``HostsLostError``), :class:`ElasticFit`
+shrinks the mesh to the surviving hosts, whose processes are kept and form a new process group,
+and the launcher runs the stage again from the latest resume point, in the same ``fit`` call. At
+a later resume point, a lost host that serves again (``HostsReturned``) rejoins the same way.
+
+The contract: a run whose world changes from W to W' workers at a resume point ends exactly as
+``ddp`` would, stopped at that point's checkpoint and resumed with W' processes and
+``accumulate_grad_batches`` scaled by W / W' (the same global batch), where that is a whole number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from monarch.actor import HostMesh
+
+from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch.controller.hosts import host_mesh, reachable, worker_addresses
+from lightning_monarch.controller.mesh import WorkerMesh
+from lightning_monarch.errors import HostsLostError, UnreachableHostsError
+from lightning_monarch.protocol import StageSpec
+
+if TYPE_CHECKING:
+    from lightning_monarch.strategy import MonarchStrategy
+
+log = logging.getLogger(__name__)
+
+#: The metrics each world change logs to the controller's loggers, at the step the run resumes from.
+WORLD_SIZE_METRIC = "monarch/world_size"
+ACCUMULATION_METRIC = "monarch/accumulate_grad_batches"
+
+
+class ResumePoints:
+    """Runs on the controller: an elastic ``fit``'s latest resume point, as a checkpoint file.
+
+    At a snapshot gate the workers wait, so the controller writes the checkpoint that
+    ``trainer.save_checkpoint`` writes there (its callbacks' state, rank 0's model, optimizer and
+    worker callbacks' state), with the epoch just begun counted as not begun: Lightning resumes it
+    as a run that stopped after the previous epoch (``as_stopped_before_epoch``). Only the latest
+    is kept, in a temporary directory of this host that :meth:`remove` deletes.
+    """
+
+    def __init__(self) -> None:
+        self._directory = tempfile.mkdtemp(prefix="lightning_monarch_resume_")
+        self.path = os.path.join(self._directory, "resume.ckpt")
+        #: The training epoch and global step of the latest resume point; ``None`` before the first.
+        self.latest: Optional[tuple[int, int]] = None
+
+    def keep(self, trainer: Trainer) -> None:
+        """Write the resume point of the training epoch that ``trainer`` is starting."""
+        checkpoint = lightning_compat.dump_checkpoint(trainer)
+        lightning_compat.as_stopped_before_epoch(checkpoint)
+        trainer.strategy.save_checkpoint(checkpoint, self.path)
+        self.latest = (trainer.current_epoch, trainer.global_step)
+
+    def read(self) -> bytes:
+        """The latest resume point's bytes, which travel to the workers with the stage."""
+        with open(self.path, "rb") as file:
+            return file.read()
+
+    def remove(self) -> None:
+        shutil.rmtree(self._directory, ignore_errors=True)
+
+
+class HostsReturned(Exception):
+    """Raised on the controller at a resume point of an elastic ``fit`` when lost hosts serve
+    workers again: it unwinds the controller's loop for the launcher to grow the world there."""
+
+    def __init__(self, hosts: dict[int, HostMesh]) -> None:
+        super().__init__(f"Host(s) {sorted(hosts)} serve workers again.")
+        #: The mesh of each returned host, connected, by slot.
+        self.hosts = hosts
+        self.detected_at = time.monotonic()
+
+
+class ElasticFit:
+    """Runs on the controller, for one ``fit`` under ``MonarchStrategy(min_nodes=...)``: keeps its
+    resume points; when hosts are lost, shrinks the mesh and the Trainer's world to the surviving
+    hosts (or raises when fewer than ``min_nodes`` remain); when lost hosts serve again, grows them
+    back at the next resume point; at the end, gives the strategy and Trainer back their own settings."""
+
+    def __init__(self, strategy: MonarchStrategy, trainer: Trainer, mesh: WorkerMesh) -> None:
+        self._strategy, self._trainer, self._mesh = strategy, trainer, mesh
+        self.resume_points = ResumePoints()
+        self._num_nodes = strategy.num_nodes
+        self._accumulate = trainer.accumulate_grad_batches
+        self._warned = False
+        #: Addresses that accepted a connection but did not answer as a Monarch host: not asked again.
+        self._refused: set[str] = set()
+        #: Whether the world changed in this ``fit``: its mesh is not the one the strategy asked for.
+        self.changed = False
+
+    def at_resume_point(self, trainer: Trainer) -> None:
+        """Runs at each snapshot gate, where the workers wait: keep the resume point; raise
+        ``HostsReturned`` if lost hosts serve again, so that the world grows from this point and no
+        step is redone."""
+        self.resume_points.keep(trainer)
+        returned = self._returned_hosts()
+        if returned:
+            raise HostsReturned(returned)
+
+    def _returned_hosts(self) -> dict[int, HostMesh]:
+        """The lost hosts that serve workers again, connected: of the worker addresses that
+        ``hosts`` names now (a list, or a function that returns one), those of lost slots that
+        accept a connection and answer as a Monarch host within ``connect_timeout``."""
+        addresses = worker_addresses(self._strategy.hosts) or []
+        lost = [slot for slot in range(len(addresses)) if slot not in self._mesh.slots]
+        returned = {}
+        for slot in lost:
+            address = addresses[slot]
+            if address in self._refused or not reachable(address):
+                continue
+            try:
+                returned[slot] = host_mesh([address], 1, self._gpus_per_host(), self._strategy.connect_timeout)
+            except UnreachableHostsError:
+                self._refused.add(address)
+                log.warning(
+                    "lightning_monarch: lost host %d's address %s accepts a connection again but did not answer as a"
+                    " Monarch host within %g s, so the run goes on without it. A host process restarted at an"
+                    " address this process talked to before is refused by Monarch (meta-pytorch/monarch#4310): serve"
+                    " it at a new address, and give `MonarchStrategy(hosts=...)` a function that returns the current"
+                    " addresses.",
+                    slot,
+                    address,
+                    self._strategy.connect_timeout,
+                )
+        return returned
+
+    def _gpus_per_host(self) -> int:
+        strategy = self._strategy
+        return len(strategy.parallel_devices or ()) if strategy.worker_accelerator == "cuda" else 0
+
+    def shrink(self, lost: HostsLostError) -> None:
+        """Go on without the hosts ``lost`` names, from the latest resume point."""
+        min_nodes = self._strategy.min_nodes or 0
+        remaining = [slot for slot in self._mesh.slots if slot not in lost.hosts]
+        if len(remaining) < min_nodes:
+            raise HostsLostError(
+                f"{lost} {len(remaining)} host(s) remain, fewer than `MonarchStrategy(min_nodes={min_nodes})`, so"
+                " the run cannot go on. Lower `min_nodes`, or resume from the last checkpoint once enough hosts"
+                " serve workers.",
+                lost.ranks,
+                lost.hosts,
+                lost.num_hosts,
+                lost.detected_at,
+            ) from lost
+        idle = self._mesh.shrink(list(lost.hosts))
+        ranks = list(lost.ranks) or "unknown"
+        self._changed(f"lost host(s) {list(lost.hosts)} of {lost.num_hosts} (worker ranks {ranks})", lost.detected_at)
+        if idle:
+            log.warning(
+                "lightning_monarch: host(s) %s live but serve no worker: Monarch slices a mesh by ranges.", idle
+            )
+
+    def grow(self, returned: HostsReturned) -> None:
+        """Start workers on the hosts that serve again and go on with them, from the resume point
+        just kept."""
+        self._mesh.grow(returned.hosts)
+        self._changed(f"host(s) {sorted(returned.hosts)} serve workers again", returned.detected_at)
+
+    def resume(self, arguments: dict[str, Any]) -> None:
+        """Point the stage's ``ckpt_path`` at the latest resume point, where the controller's Trainer
+        resumes; before the first, the stage runs again from where the ``fit`` started."""
+        if self.resume_points.latest is not None:
+            arguments["ckpt_path"] = self.resume_points.path
+
+    def sent_with_resume_point(self, spec: StageSpec) -> StageSpec:
+        """``spec`` with the latest resume point's bytes, from which the workers resume: their
+        hosts may not reach this one's disk."""
+        if self.resume_points.latest is None:
+            return spec
+        return dataclasses.replace(spec, ckpt_path=None, checkpoint=self.resume_points.read())
+
+    def _changed(self, what: str, detected_at: float) -> None:
+        """The world changed: the Trainer's settings for it, the count, the log line, the loggers' metrics."""
+        self.changed = True
+        hosts = len(self._mesh.slots)
+        self._strategy.num_nodes = hosts
+        workers = self._mesh.num_workers
+        accumulate = self._accumulation(self._num_nodes * workers // hosts, workers)
+        self._trainer.accumulate_grad_batches = accumulate
+        self._strategy.world_changes += 1
+        epoch, step = self.resume_points.latest or (None, self._trainer.global_step)
+        for logger in self._trainer.loggers:
+            logger.log_metrics({WORLD_SIZE_METRIC: workers, ACCUMULATION_METRIC: accumulate}, step)
+            logger.save()
+        log.warning(
+            "lightning_monarch: %s; training goes on with %d worker(s) on %d host(s), accumulate_grad_batches=%d,"
+            " from %s (global step %d); the change took %.1f s.",
+            what,
+            workers,
+            hosts,
+            accumulate,
+            f"the start of epoch {epoch}" if epoch is not None else "the start of the stage",
+            step,
+            time.monotonic() - detected_at,
+        )
+
+    def _accumulation(self, full_world: int, world: int) -> int:
+        """The user's ``accumulate_grad_batches``, grown to keep the global batch of ``full_world``
+        workers in ``world``, where ``keep_global_batch`` asks for it and the ratio is whole."""
+        if not self._strategy.keep_global_batch:
+            return self._accumulate
+        if full_world % world == 0:
+            return self._accumulate * full_world // world
+        if not self._warned:
+            self._warned = True
+            rank_zero_warn(
+                f"`MonarchStrategy(keep_global_batch=True)`: {full_world} workers cannot be kept as a global batch"
+                f" by {world} ({full_world}/{world} is not a whole number), so `accumulate_grad_batches` stays"
+                f" {self._accumulate} and each optimizer step sees fewer samples. Choose host counts whose ratio is"
+                " whole, or pass `keep_global_batch=False` to accept this without the warning."
+            )
+        return self._accumulate
+
+    def restore(self) -> None:
+        """The ``fit`` ended: the strategy and Trainer take back their own number of nodes and
+        accumulation, so that a later stage asks for the whole mesh again."""
+        self._strategy.num_nodes = self._num_nodes
+        self._trainer.accumulate_grad_batches = self._accumulate
+        self.resume_points.remove()

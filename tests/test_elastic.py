@@ -1,0 +1,274 @@
+"""Elastic training on 2 hosts, 1 CPU worker each. A ``fit`` loses host 1 for good (its host
+process and worker SIGKILLed) in epoch 2 of 4 and finishes on host 0, whose worker process is kept;
+or host 1 comes back and the run grows back at the start of epoch 3. Either ends exactly as
+Lightning's ``ddp`` stopped at each resume point where the world changed and resumed there with
+the new number of processes and accumulation. With fewer hosts left than ``min_nodes``, the run
+fails at once, naming them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import psutil
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from monarch.job import ProcessJob
+
+from lightning_monarch import HostsLostError, MonarchFSDPStrategy, MonarchStrategy, stop_meshes
+from lightning_monarch.controller.elastic import ACCUMULATION_METRIC, WORLD_SIZE_METRIC
+from lightning_monarch.controller.hosts import reachable
+from lightning_monarch.controller.world import surviving_positions
+from lightning_monarch.protocol import WorldSpec
+from lightning_monarch.worker.process import torch_elastic_env
+from tests import elastic_runs
+from tests.conftest import ROOT, worker_processes
+from tests.models import Classifier
+from tests.parity_cases import comparable_checkpoint, environment_for_ddp
+from tests.test_hosts import closed_port
+
+pytestmark = pytest.mark.timeout(300)
+
+#: The step in epoch 2 (6 steps an epoch) at which the controller's loop kills host 1.
+KILL_AT_STEP = 15
+
+
+class KillHost(L.Callback):
+    """SIGKILLs, from the controller, the host process of worker ``rank`` and every process it
+    started (the host runs in a session of its own), when ``global_step`` reaches ``step``; records
+    the workers' process IDs then, in the smaller world, and at the end; and once the run goes on
+    in the smaller world, calls ``then``."""
+
+    def __init__(self, rank: int, step: int, then: Optional[Callable[[], None]] = None) -> None:
+        self.rank, self.step, self.then = rank, step, then
+        self.pids_before: Optional[list[int]] = None
+        self.pids_smaller: Optional[list[int]] = None
+        self.pids_at_end: Optional[list[int]] = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.pids_before is None and trainer.global_step == self.step:
+            self.pids_before = trainer.strategy.worker_pids
+            worker = self.pids_before[self.rank]
+            os.killpg(psutil.Process(worker).ppid(), signal.SIGKILL)
+            with suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+        elif self.pids_smaller is None and trainer.strategy.num_nodes == 1:
+            self.pids_smaller = trainer.strategy.worker_pids
+            if self.then is not None:
+                self.then()
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.pids_at_end = trainer.strategy.worker_pids
+
+
+class ServedHost:
+    """A Monarch host serving at a TCP address, as ``run_worker_loop_forever`` does on a cluster
+    node, in a session of its own; started again at the same address after it was killed."""
+
+    def __init__(self) -> None:
+        self.address = f"tcp://127.0.0.1:{closed_port()}"
+        self.process: Optional[subprocess.Popen] = None
+
+    def start(self) -> None:
+        self.stop()
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from monarch.actor import run_worker_loop_forever;"
+                f" run_worker_loop_forever(address={self.address!r}, ca='trust_all_connections')",
+            ],
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 30
+        while not reachable(self.address) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            with suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def _ddp_reference(out_dir: Path, sequence: str) -> dict[str, Any]:
+    for index in range(len(elastic_runs.SEQUENCES[sequence])):
+        subprocess.run(
+            [sys.executable, "-m", "tests.elastic_runs", str(out_dir), sequence, str(index)],
+            cwd=ROOT,
+            env=environment_for_ddp(),
+            check=True,
+            timeout=240,
+        )
+    return torch.load(out_dir / "results.pt", weights_only=False)
+
+
+def _fit_elastic(
+    out_dir: Path, hosts: Any, killer: KillHost, caplog: Any
+) -> tuple[MonarchStrategy, L.Trainer, dict[str, Any], list[str]]:
+    """The elastic run on ``hosts`` (2, one worker each) with ``killer``: its strategy, Trainer, what
+    the test compares, and the lines that logged its world changes."""
+    L.seed_everything(elastic_runs.SEED)
+    model = Classifier()
+    strategy = MonarchStrategy(hosts=hosts, min_nodes=1, connect_timeout=10)
+    trainer = elastic_runs.trainer(out_dir, strategy, [killer], devices=1, num_nodes=2)
+    with caplog.at_level(logging.WARNING, logger="lightning_monarch.controller.elastic"):
+        trainer.fit(model)
+    changes = [record.getMessage() for record in caplog.records if "training goes on" in record.getMessage()]
+    return strategy, trainer, elastic_runs.results(trainer, model, out_dir), changes
+
+
+def _assert_same_run(ours: dict[str, Any], reference: dict[str, Any], out_dir: Path) -> None:
+    for key, value in reference["weights"].items():
+        assert torch.equal(ours["weights"][key], value), key
+    assert ours["global_step"] == reference["global_step"] == 24
+    assert ours["current_epoch"] == reference["current_epoch"]
+    assert ours["callback_metrics"] == reference["callback_metrics"]
+    assert_same_checkpoint(
+        out_dir / "monarch" / "checkpoints" / "last.ckpt", out_dir / "ddp" / "checkpoints" / "last.ckpt"
+    )
+    assert WORLD_SIZE_METRIC in ours["csv"].splitlines()[0] and ACCUMULATION_METRIC in ours["csv"].splitlines()[0]
+
+
+def test_a_fit_that_loses_a_host_ends_as_ddp_stopped_at_the_resume_point_and_resumed_on_fewer(
+    tmp_path: Path, caplog: Any
+) -> None:
+    reference = _ddp_reference(tmp_path / "ddp", "shrink")
+    job = ProcessJob({"hosts": 2})
+    killer = KillHost(rank=1, step=KILL_AT_STEP)
+    try:
+        strategy, trainer, ours, changes = _fit_elastic(tmp_path / "monarch", job, killer, caplog)
+    finally:
+        stop_meshes()
+        job.kill()
+
+    assert killer.pids_before is not None
+    assert killer.pids_smaller == killer.pids_at_end == killer.pids_before[:1]  # host 0's worker went on
+    assert strategy.world_changes == 1 and strategy.num_nodes == 2 and trainer.accumulate_grad_batches == 1
+    (change,) = changes
+    assert "lost host(s) [1] of 2 (worker ranks [1]); training goes on with 1 worker(s) on 1 host(s)" in change
+    assert "accumulate_grad_batches=2, from the start of epoch 2 (global step 12)" in change
+    _assert_same_run(ours, reference, tmp_path)
+
+
+def test_a_lost_host_that_serves_again_rejoins_at_the_next_epoch_as_ddp_resumed_on_more_would(
+    tmp_path: Path, caplog: Any
+) -> None:
+    reference = _ddp_reference(tmp_path / "ddp", "shrink_and_grow")
+    hosts = [ServedHost(), ServedHost()]
+    started = list(hosts)
+
+    def come_back() -> None:  # within epoch 2, at a new address, as a replaced cloud host gets one
+        hosts[1] = ServedHost()
+        started.append(hosts[1])
+        hosts[1].start()
+
+    killer = KillHost(rank=1, step=KILL_AT_STEP, then=come_back)
+    try:
+        for host in hosts:
+            host.start()
+        strategy, _, ours, changes = _fit_elastic(
+            tmp_path / "monarch", lambda: [host.address for host in hosts], killer, caplog
+        )
+    finally:
+        stop_meshes()
+        for host in started:
+            host.stop()
+
+    assert killer.pids_before is not None and killer.pids_at_end is not None
+    assert killer.pids_smaller == killer.pids_at_end[:1] == killer.pids_before[:1]  # host 0's worker throughout
+    assert killer.pids_at_end[1] not in killer.pids_before  # host 1's new worker
+    assert strategy.world_changes == 2
+    shrunk, grown = changes
+    assert "from the start of epoch 2 (global step 12)" in shrunk
+    assert "host(s) [1] serve workers again; training goes on with 2 worker(s) on 2 host(s)" in grown
+    assert "accumulate_grad_batches=1, from the start of epoch 3 (global step 18)" in grown
+    _assert_same_run(ours, reference, tmp_path)
+
+
+def assert_same_checkpoint(ours: Path, reference: Path) -> None:
+    mine, theirs = comparable_checkpoint(ours), comparable_checkpoint(reference)
+    assert mine.keys() == theirs.keys()
+    for key in mine:
+        if key == "state_dict":
+            for name, value in theirs[key].items():
+                assert torch.equal(mine[key][name], value), name
+        elif key != "optimizer_states":
+            assert mine[key] == theirs[key], key
+    assert str(mine["optimizer_states"]) == str(theirs["optimizer_states"])
+
+
+def test_a_fit_with_fewer_hosts_left_than_min_nodes_fails_naming_them(tmp_path: Path) -> None:
+    job = ProcessJob({"hosts": 2})
+    try:
+        L.seed_everything(elastic_runs.SEED)
+        strategy = MonarchStrategy(hosts=job, min_nodes=2, connect_timeout=5)
+        trainer = elastic_runs.trainer(tmp_path, strategy, [KillHost(rank=1, step=3)], devices=1, num_nodes=2)
+        with pytest.raises(
+            HostsLostError, match=r"Host\(s\) \[1\] of the 2 .* fewer than `MonarchStrategy\(min_nodes=2\)`"
+        ):
+            trainer.fit(Classifier())
+    finally:
+        stop_meshes()
+        job.kill()
+    assert not worker_processes()
+
+
+def test_the_surviving_hosts_of_a_part_are_the_longest_range_of_live_ones() -> None:
+    assert surviving_positions(2, (1,)) == (range(0, 1), [])
+    assert surviving_positions(3, (1,)) == (range(0, 3, 2), [])
+    assert surviving_positions(4, (1,)) == (range(0, 4, 2), [3])  # of two ranges as long, the first
+    assert surviving_positions(4, (0, 3)) == (range(1, 3), [])
+
+
+@pytest.mark.parametrize(
+    ("options", "num_nodes", "error"),
+    [
+        ({"min_nodes": 1}, 1, r"without `MonarchStrategy\(hosts=...\)` every worker runs on this host"),
+        ({"min_nodes": 0}, 1, r"min_nodes=0\)`: give a whole number of hosts >= 1"),
+    ],
+)
+def test_bad_min_nodes_is_refused_with_the_fix(options: dict[str, Any], num_nodes: int, error: str) -> None:
+    with pytest.raises((MisconfigurationException, ValueError), match=error):
+        L.Trainer(strategy=MonarchStrategy(**options), accelerator="cpu", devices=1, num_nodes=num_nodes)
+
+
+def test_min_nodes_above_num_nodes_is_refused_before_any_host_is_asked() -> None:
+    unused = ["tcp://127.0.0.1:9", "tcp://127.0.0.1:10"]  # the check comes first: nothing is dialled
+    with pytest.raises(MisconfigurationException, match=r"min_nodes=3\)` is more than `Trainer\(num_nodes=2\)`"):
+        L.Trainer(strategy=MonarchStrategy(hosts=unused, min_nodes=3), accelerator="cpu", devices=1, num_nodes=2)
+
+
+def test_sharded_elastic_training_is_refused_naming_what_works() -> None:
+    with pytest.raises(ValueError, match=r"MonarchFSDPStrategy\(min_nodes=1\)`: elastic training goes on"):
+        MonarchFSDPStrategy(min_nodes=1)
+
+
+def test_each_worker_takes_torchruns_variables_for_its_place_in_the_world() -> None:
+    world = WorldSpec(
+        "node-0", 29500, local_world_size=2, group_world_size=2, host_dimension="hosts", group_ranks={0: 0, 2: 1}
+    )
+    # the first mesh's host at coordinate 2, the second host left after coordinate 1 was lost
+    assert torch_elastic_env(world, host=2, local_rank=1) == {
+        "MASTER_ADDR": "node-0",
+        "MASTER_PORT": "29500",
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2",
+        "ROLE_RANK": "3",
+        "ROLE_WORLD_SIZE": "4",
+        "ROLE_NAME": "rank",
+        "WORLD_SIZE": "4",
+    }
