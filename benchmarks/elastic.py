@@ -11,8 +11,9 @@ Each case runs in a fresh process; the figures go to ``benchmarks/results/elasti
 - ``monarch, max_restarts=1``: only host 1's worker SIGKILLed, the host lives: new processes on
   both hosts, resumed from the epoch's snapshot and the steps since replayed;
 - the alternative a user has today: a new ``ddp`` run with one process fewer (doubled
-  ``accumulate_grad_batches``) and ``fit(ckpt_path="last.ckpt")``, from its launch to its first
-  step, not counting the time to notice the failure and relaunch.
+  ``accumulate_grad_batches``) and ``fit(ckpt_path="last.ckpt")``, the ``last.ckpt`` the run had
+  written when the host died, from its launch to its first step, not counting the time to notice
+  the failure and relaunch.
 
 Steps redone: the steps between the point a case resumes from and the death.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from contextlib import suppress
@@ -45,10 +47,12 @@ CONNECT_TIMEOUT_S = 5.0
 
 class KillHost1(L.Callback):
     """At step ``KILL_AT``, SIGKILLs worker rank 1 and, with ``whole_host``, its host process and
-    everything it started; records when, and when the next training step ended."""
+    everything it started, keeping the ``last.ckpt`` in ``checkpoints`` as it is then as
+    ``before_death.ckpt`` beside it: what a ``ddp`` run restarted after the death would resume
+    from. Records when, and when the next training step ended."""
 
-    def __init__(self, whole_host: bool) -> None:
-        self.whole_host = whole_host
+    def __init__(self, whole_host: bool, checkpoints: Path) -> None:
+        self.whole_host, self.checkpoints = whole_host, checkpoints
         self.killed_at: Optional[float] = None
         self.resumed_at: Optional[float] = None
 
@@ -56,6 +60,7 @@ class KillHost1(L.Callback):
         if self.killed_at is None and trainer.global_step == KILL_AT:
             worker = trainer.strategy.worker_pids[1]
             if self.whole_host:
+                shutil.copy(self.checkpoints / "last.ckpt", self.checkpoints.parent / "before_death.ckpt")
                 os.killpg(psutil.Process(worker).ppid(), signal.SIGKILL)  # a ProcessJob host has its own session
             with suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGKILL)
@@ -69,10 +74,10 @@ def run_case(case: str, scratch: Path) -> dict[str, Any]:
     L.seed_everything(0)
     if case == "ddp_restart_one_fewer":
         trainer = fault_trainer("ddp", [FirstStep()], scratch / case, devices=1, accumulate_grad_batches=2)
-        trainer.fit(BenchModel(SIZE, BATCHES), ckpt_path=str(scratch / "monarch_shrink" / "last.ckpt"))
+        trainer.fit(BenchModel(SIZE, BATCHES), ckpt_path=str(scratch / "before_death.ckpt"))
         return {}
     shrink = case == "monarch_shrink"
-    killer = KillHost1(whole_host=shrink)
+    killer = KillHost1(whole_host=shrink, checkpoints=scratch / case)
     strategy = MonarchStrategy(
         hosts=(job := ProcessJob({"hosts": 2})),
         connect_timeout=CONNECT_TIMEOUT_S,
