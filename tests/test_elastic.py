@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
@@ -26,7 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.job import ProcessJob
 
 from lightning_monarch import HostsLostError, MonarchFSDPStrategy, MonarchStrategy, stop_meshes
-from lightning_monarch.controller.elastic import ACCUMULATION_METRIC, WORLD_SIZE_METRIC
+from lightning_monarch.controller.elastic import ACCUMULATION_METRIC, WORLD_SIZE_METRIC, ElasticFit
 from lightning_monarch.controller.hosts import reachable
 from lightning_monarch.controller.world import surviving_positions
 from lightning_monarch.protocol import WorldSpec
@@ -272,3 +273,25 @@ def test_each_worker_takes_torchruns_variables_for_its_place_in_the_world() -> N
         "ROLE_NAME": "rank",
         "WORLD_SIZE": "4",
     }
+
+
+@pytest.mark.parametrize(
+    ("keep_global_batch", "workers", "accumulate", "warned"),
+    [(True, 2, 6, False), (True, 3, 3, True), (False, 2, 3, False)],
+    ids=["4 to 2 workers: doubled", "4 to 3: not whole, warned", "keep_global_batch=False"],
+)
+def test_the_global_batch_is_kept_where_the_ratio_of_worlds_is_whole(
+    keep_global_batch: bool, workers: int, accumulate: int, warned: bool
+) -> None:
+    strategy = MonarchStrategy(keep_global_batch=keep_global_batch)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, accumulate_grad_batches=3, logger=False)
+    elastic = ElasticFit(strategy, trainer, mesh=None)  # type: ignore[arg-type]  # the mesh is not asked
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert elastic._accumulation(4, workers) == accumulate
+        assert elastic._accumulation(4, workers) == accumulate
+    shown = [str(warning.message) for warning in caught if "keep_global_batch" in str(warning.message)]
+    assert len(shown) == (1 if warned else 0)  # once per fit
+    if warned:
+        assert "4 workers cannot be kept as a global batch by 3" in shown[0] and "keep_global_batch=False" in shown[0]
+    elastic.restore()
