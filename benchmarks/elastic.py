@@ -49,23 +49,26 @@ class KillHost1(L.Callback):
     """At step ``KILL_AT``, SIGKILLs worker rank 1 and, with ``whole_host``, its host process and
     everything it started, keeping the ``last.ckpt`` in ``checkpoints`` as it is then as
     ``before_death.ckpt`` beside it: what a ``ddp`` run restarted after the death would resume
-    from. Records when, and when the next training step ended."""
+    from. Records when, and when the first training step of the new workers ended: the controller
+    may still take steps the workers recorded before the death, ahead of it (``max_ahead``)."""
 
     def __init__(self, whole_host: bool, checkpoints: Path) -> None:
         self.whole_host, self.checkpoints = whole_host, checkpoints
         self.killed_at: Optional[float] = None
         self.resumed_at: Optional[float] = None
+        self._pids: list[int] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self.killed_at is None and trainer.global_step == KILL_AT:
-            worker = trainer.strategy.worker_pids[1]
+            self._pids = trainer.strategy.worker_pids
+            worker = self._pids[1]
             if self.whole_host:
                 shutil.copy(self.checkpoints / "last.ckpt", self.checkpoints.parent / "before_death.ckpt")
                 os.killpg(psutil.Process(worker).ppid(), signal.SIGKILL)  # a ProcessJob host has its own session
             with suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGKILL)
             self.killed_at = time.monotonic()
-        elif self.killed_at is not None and self.resumed_at is None:
+        elif self.killed_at is not None and self.resumed_at is None and trainer.strategy.worker_pids != self._pids:
             self.resumed_at = time.monotonic()
 
 
