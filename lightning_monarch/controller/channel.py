@@ -191,12 +191,12 @@ class StageChannel:
         lost = self.mesh.lost_hosts(self._lost_host_timeout)
         if lost:
             raise HostsLostError(
-                f"Host(s) {lost} of the {len(self.mesh.slots)} the workers ran on were lost: no new process"
-                f" started there within {self._lost_host_timeout:g} s (`MonarchStrategy(connect_timeout=...)`)."
-                f" {failure}",
+                f"Host(s) {lost} of the {self.mesh.num_slots} the workers started on were lost: no new"
+                f" process started there within {self._lost_host_timeout:g} s"
+                f" (`MonarchStrategy(connect_timeout=...)`). {failure}",
                 failure.ranks,
                 tuple(lost),
-                len(self.mesh.slots),
+                self.mesh.num_slots,
                 failure.detected_at,
             ) from failure
 

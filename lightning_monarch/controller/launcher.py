@@ -111,8 +111,7 @@ class MonarchLauncher(lightning_compat.Launcher):
                     session, result = self._run_stage(trainer, function, arguments, spec, mesh, module, warned, elastic)
                     break
                 except HostsLostError as lost:
-                    if elastic is None:
-                        raise
+                    assert elastic is not None  # only an elastic fit's channel raises it
                     elastic.shrink(lost)
                 except HostsReturned as returned:
                     assert elastic is not None  # raised by it
@@ -157,9 +156,10 @@ class MonarchLauncher(lightning_compat.Launcher):
         warned: WorkerWarnings,
         elastic: Optional[ElasticFit],
     ) -> tuple[StageSession, Any]:
-        """Run Lightning's ``function`` with the controller's loop following the workers of ``mesh``,
-        which run ``spec``; the session it ran and the function's result. On ``HostsLostError`` the mesh is
-        left as the failure left it, for an elastic ``fit`` to go on in a smaller world."""
+        """Run Lightning's ``function`` with the controller's loop following the workers of
+        ``mesh``, which run ``spec``; the session it ran and the function's result. A change of an
+        elastic ``fit``'s world (``HostsLostError``, ``HostsReturned``) leaves the mesh as it was
+        then, for the launcher to change it and run the stage again."""
         strategy = self._strategy
         stage = spec.fn
         loader_args = _LOADER_STAGES[stage]

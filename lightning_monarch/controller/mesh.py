@@ -318,6 +318,11 @@ class WorkerMesh:
         assert self._world is not None
         return self._world.slots
 
+    @property
+    def num_slots(self) -> int:
+        """How many hosts the mesh started on."""
+        return host_count(self._hosts)
+
     def lost_hosts(self, timeout: float) -> list[int]:
         """The slots of the hosts that do not serve a new process within ``timeout`` seconds: their
         host process is gone, not only a worker. Every host is asked, at once (a live one answers in
