@@ -21,21 +21,15 @@ Steps redone: the steps between the point a case resumes from and the death.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import time
-from contextlib import suppress
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
-import psutil
 import torch
 from monarch.job import ProcessJob
 
 from benchmarks.fresh import RESULTS, FirstStep, run_cases
-from benchmarks.recovery import BATCHES, CHECKPOINT_EVERY, KILL_AT, SIZE, STEPS, fault_trainer
+from benchmarks.recovery import BATCHES, CHECKPOINT_EVERY, KILL_AT, SIZE, STEPS, KillRank1, fault_trainer
 from lightning_monarch import MonarchStrategy, stop_meshes
 from lightning_monarch.benchmark.models import BenchModel
 
@@ -43,33 +37,6 @@ from lightning_monarch.benchmark.models import BenchModel
 STEPS_PER_EPOCH = BATCHES // 2
 #: How long the lost host has to serve a new process (``MonarchStrategy(connect_timeout=...)``).
 CONNECT_TIMEOUT_S = 5.0
-
-
-class KillHost1(L.Callback):
-    """At step ``KILL_AT``, SIGKILLs worker rank 1 and, with ``whole_host``, its host process and
-    everything it started, keeping the ``last.ckpt`` in ``checkpoints`` as it is then as
-    ``before_death.ckpt`` beside it: what a ``ddp`` run restarted after the death would resume
-    from. Records when, and when the first training step of the new workers ended: the controller
-    may still take steps the workers recorded before the death, ahead of it (``max_ahead``)."""
-
-    def __init__(self, whole_host: bool, checkpoints: Path) -> None:
-        self.whole_host, self.checkpoints = whole_host, checkpoints
-        self.killed_at: Optional[float] = None
-        self.resumed_at: Optional[float] = None
-        self._pids: list[int] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if self.killed_at is None and trainer.global_step == KILL_AT:
-            self._pids = trainer.strategy.worker_pids
-            worker = self._pids[1]
-            if self.whole_host:
-                shutil.copy(self.checkpoints / "last.ckpt", self.checkpoints.parent / "before_death.ckpt")
-                os.killpg(psutil.Process(worker).ppid(), signal.SIGKILL)  # a ProcessJob host has its own session
-            with suppress(ProcessLookupError):
-                os.kill(worker, signal.SIGKILL)
-            self.killed_at = time.monotonic()
-        elif self.killed_at is not None and self.resumed_at is None and trainer.strategy.worker_pids != self._pids:
-            self.resumed_at = time.monotonic()
 
 
 def run_case(case: str, scratch: Path) -> dict[str, Any]:
@@ -80,7 +47,7 @@ def run_case(case: str, scratch: Path) -> dict[str, Any]:
         trainer.fit(BenchModel(SIZE, BATCHES), ckpt_path=str(scratch / "before_death.ckpt"))
         return {}
     shrink = case == "monarch_shrink"
-    killer = KillHost1(whole_host=shrink, checkpoints=scratch / case)
+    killer = KillRank1(whole_host=shrink, checkpoints=scratch / case if shrink else None)
     strategy = MonarchStrategy(
         hosts=(job := ProcessJob({"hosts": 2})),
         connect_timeout=CONNECT_TIMEOUT_S,

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
+import psutil
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -35,17 +38,31 @@ SIZE, STEPS, BATCHES, KILL_AT, CHECKPOINT_EVERY = "medium", 60, 20, 35, 20
 
 
 class KillRank1(L.Callback):
-    """SIGKILLs worker rank 1 at step ``KILL_AT``; records when, and when the next step ended."""
+    """At step ``KILL_AT``, SIGKILLs worker rank 1 and, with ``whole_host``, its host process and
+    everything it started; with ``checkpoints``, keeps the ``last.ckpt`` there as it is then as
+    ``before_death.ckpt`` beside it: what a ``ddp`` run restarted after the death would resume
+    from. Records when, and when the first training step of the workers that go on ended (their
+    process IDs changed): the controller may still take steps the workers recorded before the
+    death, ahead of it (``max_ahead``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole_host: bool = False, checkpoints: Optional[Path] = None) -> None:
+        self.whole_host, self.checkpoints = whole_host, checkpoints
         self.killed_at: Optional[float] = None
         self.resumed_at: Optional[float] = None
+        self._pids: list[int] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self.killed_at is None and trainer.global_step == KILL_AT:
-            os.kill(trainer.strategy.worker_pids[1], signal.SIGKILL)
+            if self.checkpoints is not None:
+                shutil.copy(self.checkpoints / "last.ckpt", self.checkpoints.parent / "before_death.ckpt")
+            self._pids = trainer.strategy.worker_pids
+            worker = self._pids[1]
+            if self.whole_host:
+                os.killpg(psutil.Process(worker).ppid(), signal.SIGKILL)  # a ProcessJob host has its own session
+            with suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
             self.killed_at = time.monotonic()
-        elif self.killed_at is not None and self.resumed_at is None:
+        elif self.killed_at is not None and self.resumed_at is None and trainer.strategy.worker_pids != self._pids:
             self.resumed_at = time.monotonic()
 
 
