@@ -219,6 +219,11 @@ class MonarchStrategy(ParallelStrategy):
         """The accelerator the workers' Trainers use: ``"cuda"`` (CUDA or ROCm) or ``"cpu"``."""
         return "cuda" if isinstance(self.accelerator, (WorkerGPUAccelerator, CUDAAccelerator)) else "cpu"
 
+    @property
+    def _gpus_per_host(self) -> int:
+        """How many GPUs each host's workers use: ``devices`` for GPU workers, 0 for CPU ones."""
+        return len(self.parallel_devices or ()) if self.worker_accelerator == "cuda" else 0
+
     def _mesh_key(self) -> MeshKey:
         """What a warm mesh must match to run this strategy's next stage."""
         devices = self.parallel_devices or ()
@@ -280,8 +285,7 @@ class MonarchStrategy(ParallelStrategy):
         if self.min_nodes is not None:
             self._check_min_nodes()
         if self.hosts is not None:
-            gpus_per_host = len(self.parallel_devices or ()) if self.worker_accelerator == "cuda" else 0
-            self._host_mesh = host_mesh(self.hosts, self.num_nodes, gpus_per_host, self.connect_timeout)
+            self._host_mesh = host_mesh(self.hosts, self.num_nodes, self._gpus_per_host, self.connect_timeout)
         self._check_gpus_here()
         precision = self.precision_plugin
         if not type(precision).__module__.startswith("lightning.pytorch.plugins.precision"):

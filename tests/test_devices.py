@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 import warnings
@@ -31,12 +30,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.actor import Actor, attach_to_workers, endpoint
 from monarch.job import ProcessJob
 
-from lightning_monarch.controller.hosts import HOSTS_MESH, reachable
+from lightning_monarch.controller.hosts import HOSTS_MESH
 from lightning_monarch.controller.mesh import Message, WorkerMesh, failed_rank
 from lightning_monarch.devices import pin
 from lightning_monarch.protocol import PreflightSpec, RunAhead, StageSpec, TrainerConfig, versions
+from tests.conftest import ServedHost
 from tests.models import Classifier
-from tests.test_hosts import closed_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -152,25 +151,13 @@ def other_host(tmp_path: Path) -> Any:
     (venv / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
     site = next(Path(path) for path in sys.path if path.endswith("site-packages") and path.startswith(sys.prefix))
     (venv / "lib" / site.parent.name / "site-packages").symlink_to(site)
-    address = f"tcp://127.0.0.1:{closed_port()}"
     python = str(venv / "bin" / "python")
-    host = subprocess.Popen(
-        [
-            python,
-            "-c",
-            "from monarch.actor import run_worker_loop_forever;"
-            f" run_worker_loop_forever(address={address!r}, ca='trust_all_connections')",
-        ],
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": "5,6"},
-    )
+    host = ServedHost(python, env={**os.environ, "CUDA_VISIBLE_DEVICES": "5,6"})
     try:
-        deadline = time.monotonic() + 30
-        while not reachable(address) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        yield python, attach_to_workers(name=HOSTS_MESH, ca="trust_all_connections", workers=[address])
+        host.start()
+        yield python, attach_to_workers(name=HOSTS_MESH, ca="trust_all_connections", workers=[host.address])
     finally:
-        host.kill()
-        host.wait()
+        host.stop()
 
 
 def test_workers_on_another_host_use_its_interpreter_and_its_mask(

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from contextlib import suppress
@@ -28,15 +27,13 @@ from monarch.job import ProcessJob
 
 from lightning_monarch import HostsLostError, MonarchFSDPStrategy, MonarchStrategy, stop_meshes
 from lightning_monarch.controller.elastic import ACCUMULATION_METRIC, WORLD_SIZE_METRIC, ElasticFit
-from lightning_monarch.controller.hosts import reachable
 from lightning_monarch.controller.world import surviving_positions
 from lightning_monarch.protocol import WorldSpec
 from lightning_monarch.worker.process import torch_elastic_env
 from tests import elastic_runs
-from tests.conftest import ROOT, worker_processes
+from tests.conftest import ROOT, ServedHost, worker_processes
 from tests.models import Classifier
 from tests.parity_cases import comparable_checkpoint, environment_for_ddp
-from tests.test_hosts import closed_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -70,36 +67,6 @@ class KillHost(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.pids_at_end = trainer.strategy.worker_pids
-
-
-class ServedHost:
-    """A Monarch host serving at a TCP address, as ``run_worker_loop_forever`` does on a cluster
-    node, in a session of its own; started again at the same address after it was killed."""
-
-    def __init__(self) -> None:
-        self.address = f"tcp://127.0.0.1:{closed_port()}"
-        self.process: Optional[subprocess.Popen] = None
-
-    def start(self) -> None:
-        self.stop()
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "from monarch.actor import run_worker_loop_forever;"
-                f" run_worker_loop_forever(address={self.address!r}, ca='trust_all_connections')",
-            ],
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 30
-        while not reachable(self.address) and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            with suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
 
 
 def _ddp_reference(out_dir: Path, sequence: str) -> dict[str, Any]:

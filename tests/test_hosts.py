@@ -5,7 +5,6 @@ and ``num_nodes`` must agree with the hosts."""
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -21,8 +20,7 @@ from monarch.job import ProcessJob
 
 import lightning_monarch
 from lightning_monarch import MonarchStrategy, UnreachableHostsError
-from lightning_monarch.controller.hosts import reachable
-from tests.conftest import ROOT, run_ddp_reference
+from tests.conftest import ROOT, ServedHost, closed_port, run_ddp_reference
 from tests.models import Classifier
 from tests.parity_cases import HOST_CASES, comparable_checkpoint, run_case
 from tests.test_parity import assert_same
@@ -165,34 +163,17 @@ def test_a_slurm_job_missing_its_options_is_refused_before_it_is_submitted(
     assert not job.active
 
 
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def worker_host() -> Any:
     """A Monarch host serving at a TCP address, as ``run_worker_loop_forever`` does on a cluster
     node; stopped by its PID."""
-    address = f"tcp://127.0.0.1:{closed_port()}"
-    host = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "from monarch.actor import run_worker_loop_forever;"
-            f" run_worker_loop_forever(address={address!r}, ca='trust_all_connections')",
-        ]
-    )
+    host = ServedHost()
     try:
-        deadline = time.monotonic() + 30
-        while not reachable(address) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        yield address
+        host.start()
+        yield host.address
     finally:
         lightning_monarch.stop_meshes()  # a warm mesh may live on this host
-        host.kill()
-        host.wait()
+        host.stop()
 
 
 def test_workers_at_given_addresses_train(worker_host: str) -> None:

@@ -124,7 +124,7 @@ class ElasticFit:
             if address in self._refused or not reachable(address):
                 continue
             try:
-                returned[slot] = host_mesh([address], 1, self._gpus_per_host(), self._strategy.connect_timeout)
+                returned[slot] = host_mesh([address], 1, self._strategy._gpus_per_host, self._strategy.connect_timeout)
             except UnreachableHostsError:
                 self._refused.add(address)
                 log.warning(
@@ -138,10 +138,6 @@ class ElasticFit:
                     self._strategy.connect_timeout,
                 )
         return returned
-
-    def _gpus_per_host(self) -> int:
-        strategy = self._strategy
-        return len(strategy.parallel_devices or ()) if strategy.worker_accelerator == "cuda" else 0
 
     def shrink(self, lost: HostsLostError) -> None:
         """Go on without the hosts ``lost`` names, from the latest resume point."""
