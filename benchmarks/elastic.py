@@ -8,6 +8,10 @@ Each case runs in a fresh process; the figures go to ``benchmarks/results/elasti
 - ``monarch, min_nodes=1``: host 1's host process and worker SIGKILLed; the controller waits
   ``connect_timeout`` for a new process there, then goes on with host 0's worker (kept) from the
   resume point at the epoch's start;
+- ``monarch, min_nodes=1, preemption notice``: hosts served by ``lightning-monarch serve``; host
+  1's host process and worker get SIGTERM, the notice a preemptible host gets before it is taken:
+  the workers park at the end of their next optimizer step, and the controller goes on with host
+  0's worker from there;
 - ``monarch, max_restarts=1``: only host 1's worker SIGKILLed, the host lives: new processes on
   both hosts, resumed from the epoch's snapshot and the steps since replayed;
 - the alternative a user has today: a new ``ddp`` run with one process fewer (doubled
@@ -15,12 +19,16 @@ Each case runs in a fresh process; the figures go to ``benchmarks/results/elasti
   written when the host died, from its launch to its first step, not counting the time to notice
   the failure and relaunch.
 
-Steps redone: the steps between the point a case resumes from and the death.
+Steps redone: where monarch goes on from a resume point, the steps the controller saw twice
+(measured); under ``max_restarts``, which the controller sees once each, the steps the new workers
+replay from the epoch's snapshot; for ``ddp``, the steps between the ``last.ckpt`` it resumes from
+and the death.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +40,7 @@ from benchmarks.fresh import RESULTS, FirstStep, run_cases
 from benchmarks.recovery import BATCHES, CHECKPOINT_EVERY, KILL_AT, SIZE, STEPS, KillRank1, fault_trainer
 from lightning_monarch import MonarchStrategy, stop_meshes
 from lightning_monarch.benchmark.models import BenchModel
+from tests.served_hosts import ServedHost
 
 #: The run of ``benchmarks.recovery``: 10 steps per epoch, the death 5 steps after the epoch-3 start.
 STEPS_PER_EPOCH = BATCHES // 2
@@ -46,22 +55,30 @@ def run_case(case: str, scratch: Path) -> dict[str, Any]:
         trainer = fault_trainer("ddp", [FirstStep()], scratch / case, devices=1, accumulate_grad_batches=2)
         trainer.fit(BenchModel(SIZE, BATCHES), ckpt_path=str(scratch / "before_death.ckpt"))
         return {}
-    shrink = case == "monarch_shrink"
-    killer = KillRank1(whole_host=shrink, checkpoints=scratch / case if shrink else None)
-    strategy = MonarchStrategy(
-        hosts=(job := ProcessJob({"hosts": 2})),
-        connect_timeout=CONNECT_TIMEOUT_S,
-        **({"min_nodes": 1} if shrink else {"max_restarts": 1}),
-    )
-    try:
+    shrink, notice = case == "monarch_shrink", case == "monarch_notice"
+    killer = KillRank1(whole_host=shrink, checkpoints=scratch / case if shrink else None, notice=notice)
+    with ExitStack() as hosts:
+        if notice:
+            served = [ServedHost(notices=True), ServedHost(notices=True)]
+            for host in served:
+                hosts.callback(host.stop)
+                host.start()
+            addresses: Any = [host.address for host in served]
+        else:
+            addresses = ProcessJob({"hosts": 2})
+            hosts.callback(addresses.kill)
+        hosts.callback(stop_meshes)
+        strategy = MonarchStrategy(
+            hosts=addresses,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            **({"min_nodes": 1} if shrink or notice else {"max_restarts": 1}),
+        )
         trainer = fault_trainer(strategy, [killer], scratch / case, devices=1, num_nodes=2)
         trainer.fit(BenchModel(SIZE, BATCHES))
-    finally:
-        stop_meshes()
-        job.kill()
     assert killer.killed_at is not None and killer.resumed_at is not None
     return {
         "resumed_s": killer.resumed_at - killer.killed_at,
+        "steps_redone": killer.steps_redone,
         "world_changes": strategy.world_changes,
         "restarts": strategy.restarts,
         "global_step": trainer.global_step,
@@ -73,18 +90,14 @@ def main() -> None:
         "benchmarks.elastic",
         __doc__.splitlines()[0],
         run_case,
-        ("monarch_shrink", "monarch_restart", "ddp_restart_one_fewer"),
+        ("monarch_shrink", "monarch_notice", "monarch_restart", "ddp_restart_one_fewer"),
         "ddp_restart_one_fewer",
     )
     if results is None:  # one case, run in this process
         return
-    redone = {
-        "monarch_shrink": KILL_AT % STEPS_PER_EPOCH,
-        "monarch_restart": KILL_AT % STEPS_PER_EPOCH,
-        "ddp_restart_one_fewer": KILL_AT % CHECKPOINT_EVERY,
-    }
-    for case, steps in redone.items():
-        results[case]["steps_redone"] = steps
+    results["monarch_restart"]["steps_redone"] = KILL_AT % STEPS_PER_EPOCH
+    results["ddp_restart_one_fewer"]["steps_redone"] = KILL_AT % CHECKPOINT_EVERY
+    redone = {case: result["steps_redone"] for case, result in results.items()}
     results["setup"] = {
         "model": SIZE,
         "steps": STEPS,
@@ -103,7 +116,13 @@ def main() -> None:
             redone["monarch_shrink"],
         ),
         (
-            "monarch, `max_restarts=1`: worker dead, host alive: new processes, replay",
+            "monarch, `min_nodes=1`, hosts served by `lightning-monarch serve`: SIGTERM (preemption notice),"
+            " going on with 1 worker from the next step's end",
+            results["monarch_notice"]["resumed_s"],
+            redone["monarch_notice"],
+        ),
+        (
+            "monarch, `max_restarts=1`: worker dead, host alive: new processes, replay of the steps since the epoch's start",
             results["monarch_restart"]["resumed_s"],
             redone["monarch_restart"],
         ),
@@ -128,9 +147,14 @@ def _plot(rows: list[tuple[str, float, int]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = ["monarch: shrink\n(host lost)", "monarch: restart\n(host alive)", "ddp: restart one\nfewer from ckpt"]
-    figure, axis = plt.subplots(figsize=(6.5, 3.5))
-    axis.bar(labels, [seconds for _, seconds, _ in rows], color=["tab:blue", "tab:blue", "tab:orange"])
+    labels = [
+        "monarch: shrink\n(host lost)",
+        "monarch: shrink\n(SIGTERM notice)",
+        "monarch: restart\n(host alive)",
+        "ddp: restart one\nfewer from ckpt",
+    ]
+    figure, axis = plt.subplots(figsize=(8, 3.5))
+    axis.bar(labels, [seconds for _, seconds, _ in rows], color=["tab:blue", "tab:blue", "tab:blue", "tab:orange"])
     for index, (_, seconds, steps) in enumerate(rows):
         axis.annotate(f"{steps} steps redone", (index, seconds), ha="center", va="bottom")
     axis.set_ylabel("seconds after the death (lower is better)")

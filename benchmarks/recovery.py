@@ -39,28 +39,42 @@ SIZE, STEPS, BATCHES, KILL_AT, CHECKPOINT_EVERY = "medium", 60, 20, 35, 20
 
 class KillRank1(L.Callback):
     """At step ``KILL_AT``, SIGKILLs worker rank 1 and, with ``whole_host``, its host process and
-    everything it started; with ``checkpoints``, keeps the ``last.ckpt`` there as it is then as
-    ``before_death.ckpt`` beside it: what a ``ddp`` run restarted after the death would resume
-    from. Records when, and when the first training step of the workers that go on ended (their
-    process IDs changed): the controller may still take steps the workers recorded before the
-    death, ahead of it (``max_ahead``)."""
+    everything it started; with ``notice``, sends SIGTERM to the host process and the worker instead
+    (a preemption notice, to a host served by ``lightning-monarch serve``). With ``checkpoints``,
+    keeps the ``last.ckpt`` there as it is then as ``before_death.ckpt`` beside it: what a ``ddp``
+    run restarted after the death would resume from. Records when, when the first training step of
+    the workers that go on ended (their process IDs changed: the controller may still take steps the
+    workers recorded before the death, ahead of it, ``max_ahead``), and how many steps the
+    controller saw twice (:attr:`steps_redone`)."""
 
-    def __init__(self, whole_host: bool = False, checkpoints: Optional[Path] = None) -> None:
-        self.whole_host, self.checkpoints = whole_host, checkpoints
+    def __init__(self, whole_host: bool = False, checkpoints: Optional[Path] = None, notice: bool = False) -> None:
+        self.whole_host, self.checkpoints, self.notice = whole_host, checkpoints, notice
         self.killed_at: Optional[float] = None
         self.resumed_at: Optional[float] = None
         self._pids: list[int] = []
+        #: The global step at the end of every training batch where it changed.
+        self._steps: list[int] = []
+
+    @property
+    def steps_redone(self) -> int:
+        return len(self._steps) - len(set(self._steps))
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if not self._steps or self._steps[-1] != trainer.global_step:
+            self._steps.append(trainer.global_step)
         if self.killed_at is None and trainer.global_step == KILL_AT:
             if self.checkpoints is not None:
                 shutil.copy(self.checkpoints / "last.ckpt", self.checkpoints.parent / "before_death.ckpt")
             self._pids = trainer.strategy.worker_pids
             worker = self._pids[1]
-            if self.whole_host:
-                os.killpg(psutil.Process(worker).ppid(), signal.SIGKILL)  # a ProcessJob host has its own session
-            with suppress(ProcessLookupError):
-                os.kill(worker, signal.SIGKILL)
+            if self.notice:
+                for pid in (psutil.Process(worker).ppid(), worker):
+                    os.kill(pid, signal.SIGTERM)
+            else:
+                if self.whole_host:  # a ProcessJob host has its own session
+                    os.killpg(psutil.Process(worker).ppid(), signal.SIGKILL)
+                with suppress(ProcessLookupError):
+                    os.kill(worker, signal.SIGKILL)
             self.killed_at = time.monotonic()
         elif self.killed_at is not None and self.resumed_at is None and trainer.strategy.worker_pids != self._pids:
             self.resumed_at = time.monotonic()

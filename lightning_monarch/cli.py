@@ -1,6 +1,8 @@
-"""``lightning-monarch``: the plugin's command line, with ``info``, ``preflight``, ``benchmark`` and ``convert``.
+"""``lightning-monarch``: the plugin's command line, with ``info``, ``preflight``, ``benchmark``, ``convert``
+and ``serve``.
 
-Runs in the user's shell on the controller's machine (``python -m lightning_monarch`` is the same).
+Runs in the user's shell on the controller's machine (``python -m lightning_monarch`` is the same),
+but ``serve``, which runs on each worker host.
 
 - ``info`` builds the Trainer that ``Trainer(strategy="monarch", ...)`` would build and asks its
   strategy what it would start (``MonarchStrategy._mesh_key()``), so the two cannot disagree. It
@@ -10,6 +12,8 @@ Runs in the user's shell on the controller's machine (``python -m lightning_mona
 - ``benchmark`` times ``monarch`` against ``ddp`` on this machine (``lightning_monarch.benchmark``).
 - ``convert`` turns a sharded checkpoint directory (``MonarchFSDPStrategy``) into one Lightning
   checkpoint file, in this process alone (``lightning_monarch.convert_sharded_checkpoint``).
+- ``serve`` makes this machine a worker host at an address, whose SIGTERM is a preemption notice
+  for elastic training (``lightning_monarch.host``).
 
 Bad input is rejected before anything starts, with the fix in the message. Exit codes: 0 done,
 1 a check or a run failed, 2 bad input.
@@ -23,6 +27,7 @@ import json
 import logging
 import os
 import platform
+import re
 import socket
 import sys
 from collections.abc import Iterator
@@ -36,6 +41,7 @@ from lightning.fabric.accelerators.cuda import num_cuda_devices
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_monarch
+from lightning_monarch import host
 from lightning_monarch.benchmark.compare import BenchmarkError, compare
 from lightning_monarch.benchmark.models import SIZES
 from lightning_monarch.controller import preflight
@@ -235,6 +241,23 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """``lightning-monarch serve``: this machine serves as a worker host until the controller shuts it
+    down, or until the grace after SIGTERM is over (``lightning_monarch.host``)."""
+    if not re.match(r"[a-z]+://", args.address) and "@" not in args.address:
+        raise UsageError(
+            f"ADDRESS {args.address!r} is not a Monarch channel address: give the one that"
+            " `MonarchStrategy(hosts=[...])` names for this host, e.g. tcp://node-1:26600."
+        )
+    if not args.grace > 0:
+        raise UsageError(
+            f"--grace {args.grace:g}: give the seconds this host lives on after SIGTERM, more than 0"
+            " (at most what the scheduler or cloud allows between SIGTERM and the end)."
+        )
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    return host.serve(args.address, args.grace)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line: one subcommand per tool; ``preflight`` takes ``controller.preflight``'s options."""
     parser = argparse.ArgumentParser(prog=PROG, description="Tools for Lightning's strategy='monarch'.")
@@ -280,6 +303,17 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("source", help="the sharded checkpoint directory (`MonarchFSDPStrategy`)")
     convert.add_argument("destination", help="the single-file Lightning checkpoint to write")
     convert.set_defaults(run=_convert)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve as a worker host, SIGTERM as a preemption notice",
+        description="Serve as a worker host at ADDRESS, taking SIGTERM as a preemption notice for elastic training.",
+    )
+    serve.add_argument("address", help="where the controller connects, e.g. tcp://node-1:26600")
+    serve.add_argument(
+        "--grace", type=float, default=host.DEFAULT_GRACE_S, help="seconds the host lives on after SIGTERM"
+    )
+    serve.set_defaults(run=_serve)
     return parser
 
 

@@ -237,6 +237,16 @@ def worker_backend(accelerator: str, chosen: Optional[str]) -> str:
 #: an exact batch). The snapshot is read while the workers are parked right after this gate.
 SNAPSHOT_GATE = "callback.on_train_epoch_start"
 
+#: The gate where, under elastic training on hosts that serve preemption notices
+#: (``lightning_monarch.host``), every worker asks whether a host got one, after each optimizer step
+#: (``worker.notices``): the end of a training batch, the point from which Lightning resumes a
+#: checkpoint that ``ModelCheckpoint(every_n_train_steps=...)`` writes.
+NOTICE_GATE = "callback.on_train_batch_end"
+
+#: The environment variable that a host serving preemption notices (``lightning-monarch serve``)
+#: gives its worker processes: the file it writes when it gets SIGTERM.
+NOTICE_VARIABLE = "LIGHTNING_MONARCH_NOTICE_FILE"
+
 #: How many copies of its checkpoint state rank 0 keeps for the controller to fetch at most (R6):
 #: each is a whole model and optimizer state in host memory.
 MAX_STAGED_STATES = 2
@@ -504,6 +514,9 @@ class RunAhead:
     #: The gates whose entries carry, when due, rank 0's checkpoint state and the metric views: a
     #: ``ModelCheckpoint`` saves there without making the workers wait.
     states: dict[str, SyncRule] = field(default_factory=dict)
+    #: Whether the workers ask, after each optimizer step, whether a host got a preemption notice,
+    #: and park there if one did (:data:`NOTICE_GATE`): elastic training on hosts that serve them.
+    notices: bool = False
 
     def syncs_at(self, gate: str, trainer: Any) -> bool:
         """Whether ``gate`` is a sync gate now, on ``trainer``'s state."""
@@ -545,6 +558,8 @@ class Entry:
     gate: Optional[str]
     #: Whether every worker parked after this gate until the controller releases them (R5).
     sync: bool = False
+    #: Whether they parked because a host got a preemption notice (:data:`NOTICE_GATE`).
+    notice: bool = False
     result: Any = None
     #: Results of the gated hooks the hook called itself, in order (R2).
     nested: list[tuple[str, Any]] = field(default_factory=list)

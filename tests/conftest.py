@@ -7,28 +7,22 @@ user's cells do; the leak check counts every other worker process as left behind
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
-from contextlib import suppress
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import psutil
 import pytest
 import torch
 
 import lightning_monarch  # noqa: F401 - registers strategy="monarch"
-from lightning_monarch.controller.hosts import reachable
 from lightning_monarch.controller.pool import MESHES
 from lightning_monarch.devices import VISIBILITY_VARS
 from tests.parity_cases import environment_for_ddp
-
-ROOT = Path(__file__).resolve().parent.parent
-
+from tests.served_hosts import ROOT
 
 #: Every process of this test run carries this marker in its environment, which Monarch's worker
 #: processes inherit: a worker left behind is found even after it was re-parented (its controller
@@ -113,46 +107,3 @@ def run_ddp_reference(out_dir: Path, cases: list[str]) -> Path:
         timeout=900,
     )
     return out_dir
-
-
-def closed_port() -> int:
-    """A TCP port of this machine that nothing listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class ServedHost:
-    """A Monarch host serving at a TCP address of this machine, as ``run_worker_loop_forever``
-    does on a cluster node: in a session of its own, so that :meth:`stop` ends it and every worker
-    process it started, by its process ID; :meth:`start` serves again at the same address after a
-    stop. ``python`` and ``env`` are the host's interpreter and environment (this process's by
-    default)."""
-
-    def __init__(self, python: str = sys.executable, env: Optional[dict[str, str]] = None) -> None:
-        self.address = f"tcp://127.0.0.1:{closed_port()}"
-        self._python, self._env = python, env
-        self.process: Optional[subprocess.Popen] = None
-
-    def start(self) -> None:
-        """Serve, and wait until the address accepts a connection."""
-        self.stop()
-        self.process = subprocess.Popen(
-            [
-                self._python,
-                "-c",
-                "from monarch.actor import run_worker_loop_forever;"
-                f" run_worker_loop_forever(address={self.address!r}, ca='trust_all_connections')",
-            ],
-            env=self._env,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 30
-        while not reachable(self.address) and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            with suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()

@@ -81,9 +81,13 @@ def lightning_log_level():
 def test_help_lists_the_commands() -> None:
     done = run("--help")
     assert done.returncode == 0, done.stderr
-    assert re.findall(r"^    (\w+)", done.stdout, re.MULTILINE) == ["info", "preflight", "benchmark", "convert"], (
-        done.stdout
-    )
+    assert re.findall(r"^    (\w+)", done.stdout, re.MULTILINE) == [
+        "info",
+        "preflight",
+        "benchmark",
+        "convert",
+        "serve",
+    ], done.stdout
 
 
 @pytest.mark.timeout(60)
@@ -231,6 +235,8 @@ def test_the_comparison_reports_medians_and_their_ratio() -> None:
             ["info", "--accelerator", "cpu", "--devices", "0,1"],
             "`devices` selected with `CPUAccelerator` should be an int > 0",
         ),
+        (["serve", "node-1:26600"], "ADDRESS 'node-1:26600' is not a Monarch channel address"),
+        (["serve", "tcp://node-1:26600", "--grace", "0"], "--grace 0: give the seconds this host lives on"),
     ],
 )
 def test_bad_input_exits_2_with_the_fix(arguments: list[str], message: str, capsys: pytest.CaptureFixture) -> None:

@@ -34,8 +34,8 @@ from lightning_monarch.controller.hosts import HOSTS_MESH
 from lightning_monarch.controller.mesh import Message, WorkerMesh, failed_rank
 from lightning_monarch.devices import pin
 from lightning_monarch.protocol import PreflightSpec, RunAhead, StageSpec, TrainerConfig, versions
-from tests.conftest import ServedHost
 from tests.models import Classifier
+from tests.served_hosts import ServedHost
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, Optional
@@ -31,9 +31,10 @@ from lightning_monarch.controller.world import surviving_positions
 from lightning_monarch.protocol import WorldSpec
 from lightning_monarch.worker.process import torch_elastic_env
 from tests import elastic_runs
-from tests.conftest import ROOT, ServedHost, worker_processes
+from tests.conftest import ROOT, worker_processes
 from tests.models import Classifier
 from tests.parity_cases import comparable_checkpoint, environment_for_ddp
+from tests.served_hosts import ServedHost
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,24 +83,24 @@ def _ddp_reference(out_dir: Path, sequence: str) -> dict[str, Any]:
 
 
 def _fit_elastic(
-    out_dir: Path, hosts: Any, killer: KillHost, caplog: Any
+    out_dir: Path, hosts: Any, callback: L.Callback, caplog: Any, worker_callbacks: Sequence[L.Callback] = ()
 ) -> tuple[MonarchStrategy, L.Trainer, dict[str, Any], list[str]]:
-    """The elastic run on ``hosts`` (2, one worker each) with ``killer``: its strategy, Trainer, what
-    the test compares, and the lines that logged its world changes."""
+    """The elastic run on ``hosts`` (2, one worker each) with ``callback`` on the controller: its
+    strategy, Trainer, what the test compares, and the lines that logged its world changes."""
     L.seed_everything(elastic_runs.SEED)
     model = Classifier()
-    strategy = MonarchStrategy(hosts=hosts, min_nodes=1, connect_timeout=10)
-    trainer = elastic_runs.trainer(out_dir, strategy, [killer], devices=1, num_nodes=2)
+    strategy = MonarchStrategy(hosts=hosts, min_nodes=1, connect_timeout=10, worker_callbacks=list(worker_callbacks))
+    trainer = elastic_runs.trainer(out_dir, strategy, [callback], devices=1, num_nodes=2)
     with caplog.at_level(logging.WARNING, logger="lightning_monarch.controller.elastic"):
         trainer.fit(model)
     changes = [record.getMessage() for record in caplog.records if "training goes on" in record.getMessage()]
     return strategy, trainer, elastic_runs.results(trainer, model, out_dir), changes
 
 
-def _assert_same_run(ours: dict[str, Any], reference: dict[str, Any], out_dir: Path) -> None:
+def _assert_same_run(ours: dict[str, Any], reference: dict[str, Any], out_dir: Path, global_step: int = 24) -> None:
     for key, value in reference["weights"].items():
         assert torch.equal(ours["weights"][key], value), key
-    assert ours["global_step"] == reference["global_step"] == 24
+    assert ours["global_step"] == reference["global_step"] == global_step
     assert ours["current_epoch"] == reference["current_epoch"]
     assert ours["callback_metrics"] == reference["callback_metrics"]
     assert_same_checkpoint(
@@ -164,6 +165,56 @@ def test_a_lost_host_that_serves_again_rejoins_at_the_next_epoch_as_ddp_resumed_
     _assert_same_run(ours, reference, tmp_path)
 
 
+class StepsAndPids(L.Callback):
+    """Records, on the controller, the global step at the end of every training batch where it
+    changed (a batch that accumulates leaves it as it was), and the workers' process IDs at the
+    first and the last."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.pids: list[list[int]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if not self.steps or self.steps[-1] != trainer.global_step:
+            self.steps.append(trainer.global_step)
+        if len(self.pids) < 2:
+            self.pids.append(trainer.strategy.worker_pids)
+        else:
+            self.pids[1] = trainer.strategy.worker_pids
+
+
+def test_a_preemption_notice_shrinks_the_world_at_the_next_step_end_with_no_step_redone(
+    tmp_path: Path, caplog: Any
+) -> None:
+    reference = _ddp_reference(tmp_path / "ddp", "preempt")
+    hosts = [ServedHost(notices=True), ServedHost(notices=True)]
+    recorder = StepsAndPids()
+    # host 1's processes get SIGTERM at the end of step 15; its workers see the notice at step 16's
+    preempt = elastic_runs.PreemptOwnHost(rank=1, step=elastic_runs.NOTICE_AT_STEP - 1)
+    try:
+        for host in hosts:
+            host.start()
+        strategy, trainer, ours, changes = _fit_elastic(
+            tmp_path / "monarch", [host.address for host in hosts], recorder, caplog, worker_callbacks=[preempt]
+        )
+        preempted = hosts[1].process
+        assert preempted is not None and preempted.poll() is None  # its grace is not over: it lives on
+    finally:
+        stop_meshes()
+        for host in hosts:
+            host.stop()
+
+    assert strategy.world_changes == 1 and strategy.num_nodes == 2 and trainer.accumulate_grad_batches == 1
+    (change,) = changes
+    assert "host(s) [1] of 2 got a preemption notice (worker ranks [1]); training goes on with 1 worker(s)" in change
+    assert "accumulate_grad_batches=2, from epoch 2 after its batch 4 (global step 16)" in change
+    # every step once, in order: none redone, none skipped
+    assert recorder.steps == list(range(1, reference["global_step"] + 1))
+    first, last = recorder.pids
+    assert last == first[:1]  # host 0's worker went on in its own process
+    _assert_same_run(ours, reference, tmp_path, global_step=26)
+
+
 def assert_same_checkpoint(ours: Path, reference: Path) -> None:
     mine, theirs = comparable_checkpoint(ours), comparable_checkpoint(reference)
     assert mine.keys() == theirs.keys()
@@ -189,6 +240,31 @@ def test_a_fit_with_fewer_hosts_left_than_min_nodes_fails_naming_them(tmp_path: 
     finally:
         stop_meshes()
         job.kill()
+    assert not worker_processes()
+
+
+def test_a_preemption_notice_that_leaves_fewer_hosts_than_min_nodes_fails_naming_them(tmp_path: Path) -> None:
+    hosts = [ServedHost(notices=True), ServedHost(notices=True)]
+    try:
+        for host in hosts:
+            host.start()
+        L.seed_everything(elastic_runs.SEED)
+        strategy = MonarchStrategy(
+            hosts=[host.address for host in hosts],
+            min_nodes=2,
+            worker_callbacks=[elastic_runs.PreemptOwnHost(rank=1, step=3)],
+        )
+        trainer = elastic_runs.trainer(tmp_path, strategy, devices=1, num_nodes=2)
+        with pytest.raises(
+            HostsLostError,
+            match=r"Host\(s\) \[1\] of the 2 .* got a preemption notice .* 1 host\(s\) remain, fewer than"
+            r" `MonarchStrategy\(min_nodes=2\)`",
+        ):
+            trainer.fit(Classifier())
+    finally:
+        stop_meshes()
+        for host in hosts:
+            host.stop()
     assert not worker_processes()
 
 

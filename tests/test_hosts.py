@@ -20,9 +20,10 @@ from monarch.job import ProcessJob
 
 import lightning_monarch
 from lightning_monarch import MonarchStrategy, UnreachableHostsError
-from tests.conftest import ROOT, ServedHost, closed_port, run_ddp_reference
+from tests.conftest import ROOT, run_ddp_reference
 from tests.models import Classifier
 from tests.parity_cases import HOST_CASES, comparable_checkpoint, run_case
+from tests.served_hosts import ServedHost, closed_port
 from tests.test_parity import assert_same
 
 pytestmark = pytest.mark.timeout(600)

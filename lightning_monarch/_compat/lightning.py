@@ -205,6 +205,13 @@ def as_stopped_before_epoch(checkpoint: dict[str, Any]) -> None:
         counts["ready"] -= 1
 
 
+def stepped_this_batch(trainer: Trainer) -> bool:
+    """At the end of a training batch (``on_train_batch_end``): whether the optimizers stepped in it,
+    which is where a checkpoint resumes with no accumulated gradient lost: every batch without
+    accumulation, else the last batch of each accumulation window and of the epoch."""
+    return not trainer.fit_loop.epoch_loop._should_accumulate()
+
+
 def end_restart(trainer: Trainer) -> None:
     """From here on, let a Trainer resumed from a checkpoint run its fit loops as ordinary loops:
     clear the restart flags that loading the checkpoint set, as the end of an iteration does.

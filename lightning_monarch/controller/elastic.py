@@ -7,10 +7,17 @@ it within ``connect_timeout`` (``StageChannel`` raises ``HostsLostError``), :cla
 shrinks the mesh to the surviving hosts, whose processes are kept and form a new process group,
 and the launcher runs the stage again from the latest resume point, in the same ``fit`` call. At
 a later resume point, a lost host that serves again (``HostsReturned``) rejoins the same way.
+A host served by ``lightning-monarch serve`` (``lightning_monarch.host``) that gets SIGTERM, the
+notice a preemptible host gets before it is taken, makes every worker park at the end of the next
+optimizer step; the controller keeps a resume point there and goes on without that host from it
+(``PreemptionNoticed``), so that no step is redone.
 
 The contract: a run whose world changes from W to W' workers at a resume point ends exactly as
 ``ddp`` would, stopped at that point's checkpoint and resumed with W' processes and
 ``accumulate_grad_batches`` scaled by W / W' (the same global batch), where that is a whole number.
+A resume point in the middle of an epoch is resumed as Lightning resumes any such checkpoint: with
+a dataloader that keeps no state, the rest of the epoch draws the first batches of the new world's
+sampler again.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
@@ -46,25 +53,38 @@ ACCUMULATION_METRIC = "monarch/accumulate_grad_batches"
 class ResumePoints:
     """Runs on the controller: an elastic ``fit``'s latest resume point, as a checkpoint file.
 
-    At a snapshot gate the workers wait, so the controller writes the checkpoint that
-    ``trainer.save_checkpoint`` writes there (its callbacks' state, rank 0's model, optimizer and
-    worker callbacks' state), with the epoch just begun counted as not begun: Lightning resumes it
-    as a run that stopped after the previous epoch (``as_stopped_before_epoch``). Only the latest
-    is kept, in a temporary directory of this host that :meth:`remove` deletes.
+    Where the workers wait, the controller writes the checkpoint that ``trainer.save_checkpoint``
+    writes there (its callbacks' state, rank 0's model, optimizer and worker callbacks' state): at a
+    snapshot gate, with the epoch just begun counted as not begun, so that Lightning resumes it as a
+    run that stopped after the previous epoch (``as_stopped_before_epoch``); after a preemption
+    notice, at the end of a training batch, as ``ModelCheckpoint(every_n_train_steps=...)`` saves
+    one. Only the latest is kept, in a temporary directory of this host that :meth:`remove` deletes.
     """
 
     def __init__(self) -> None:
         self._directory = tempfile.mkdtemp(prefix="lightning_monarch_resume_")
         self.path = os.path.join(self._directory, "resume.ckpt")
-        #: The training epoch and global step of the latest resume point; ``None`` before the first.
-        self.latest: Optional[tuple[int, int]] = None
+        #: Where the latest resume point is, in words, and its global step; ``None`` before the first.
+        self.latest: Optional[tuple[str, int]] = None
 
     def keep(self, trainer: Trainer) -> None:
         """Write the resume point of the training epoch that ``trainer`` is starting."""
         checkpoint = lightning_compat.dump_checkpoint(trainer)
         lightning_compat.as_stopped_before_epoch(checkpoint)
+        self._write(trainer, checkpoint, f"the start of epoch {trainer.current_epoch}")
+
+    def keep_batch_end(self, trainer: Trainer) -> None:
+        """Write the resume point of the end of the training batch that ``trainer`` is ending."""
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        self._write(
+            trainer,
+            lightning_compat.dump_checkpoint(trainer),
+            f"epoch {trainer.current_epoch} after its batch {batches}",
+        )
+
+    def _write(self, trainer: Trainer, checkpoint: dict[str, Any], where: str) -> None:
         trainer.strategy.save_checkpoint(checkpoint, self.path)
-        self.latest = (trainer.current_epoch, trainer.global_step)
+        self.latest = (where, trainer.global_step)
 
     def read(self) -> bytes:
         """The latest resume point's bytes, which travel to the workers with the stage."""
@@ -86,6 +106,20 @@ class HostsReturned(Exception):
         self.detected_at = time.monotonic()
 
 
+class PreemptionNoticed(Exception):
+    """Raised on the controller where every worker parked because hosts got a preemption notice
+    (``worker.notices``), once the resume point there is kept: it unwinds the controller's loop for
+    the launcher to go on without those hosts from that point."""
+
+    def __init__(self, hosts: list[int], num_hosts: int, ranks: list[int]) -> None:
+        super().__init__(
+            f"Host(s) {hosts} of the {num_hosts} the workers started on got a preemption notice (SIGTERM to"
+            " `lightning-monarch serve`)."
+        )
+        self.hosts, self.num_hosts, self.ranks = hosts, num_hosts, ranks
+        self.detected_at = time.monotonic()
+
+
 class ElasticFit:
     """Runs on the controller, for one ``fit`` under ``MonarchStrategy(min_nodes=...)``: keeps its
     resume points; when hosts are lost, shrinks the mesh and the Trainer's world to the surviving
@@ -98,7 +132,8 @@ class ElasticFit:
         self._num_nodes = strategy.num_nodes
         self._accumulate = trainer.accumulate_grad_batches
         self._warned = False
-        #: Addresses that accepted a connection but did not answer as a Monarch host: not asked again.
+        #: Addresses not asked again: those that accepted a connection but did not answer as a
+        #: Monarch host, and those of hosts that got a preemption notice.
         self._refused: set[str] = set()
         #: Whether the world changed in this ``fit``: its mesh is not the one the strategy asked for.
         self.changed = False
@@ -111,6 +146,16 @@ class ElasticFit:
         returned = self._returned_hosts()
         if returned:
             raise HostsReturned(returned)
+
+    def at_notice(self, trainer: Trainer) -> NoReturn:
+        """Runs at the end of the training batch where every worker parked because hosts got a
+        preemption notice, once the controller's callbacks ran: keep the resume point there, and
+        raise ``PreemptionNoticed`` naming the hosts."""
+        self.resume_points.keep_batch_end(trainer)
+        hosts, ranks = self._mesh.noticed()
+        addresses = worker_addresses(self._strategy.hosts) or []
+        self._refused.update(addresses[slot] for slot in hosts if slot < len(addresses))
+        raise PreemptionNoticed(hosts, self._mesh.num_slots, ranks)
 
     def _returned_hosts(self) -> dict[int, HostMesh]:
         """The lost hosts that serve workers again, connected: of the worker addresses that
@@ -141,21 +186,35 @@ class ElasticFit:
 
     def shrink(self, lost: HostsLostError) -> None:
         """Go on without the hosts ``lost`` names, from the latest resume point."""
+        ranks = list(lost.ranks) or "unknown"
+        self._go_on_without(lost, f"lost host(s) {list(lost.hosts)} of {lost.num_hosts} (worker ranks {ranks})")
+
+    def leave(self, noticed: PreemptionNoticed) -> None:
+        """Go on without the hosts that got a preemption notice, from the resume point kept where
+        the workers parked for it."""
+        self._go_on_without(
+            noticed,
+            f"host(s) {noticed.hosts} of {noticed.num_hosts} got a preemption notice (worker ranks {noticed.ranks})",
+            alive=True,
+        )
+
+    def _go_on_without(self, cause: Union[HostsLostError, PreemptionNoticed], what: str, alive: bool = False) -> None:
+        """Shrink the mesh and the Trainer's world to the hosts that ``cause`` leaves, or raise
+        ``HostsLostError`` when fewer than ``min_nodes`` remain; ``alive``: the hosts left out still serve."""
         min_nodes = self._strategy.min_nodes or 0
-        remaining = [slot for slot in self._mesh.slots if slot not in lost.hosts]
+        remaining = [slot for slot in self._mesh.slots if slot not in cause.hosts]
         if len(remaining) < min_nodes:
             raise HostsLostError(
-                f"{lost} {len(remaining)} host(s) remain, fewer than `MonarchStrategy(min_nodes={min_nodes})`, so"
+                f"{cause} {len(remaining)} host(s) remain, fewer than `MonarchStrategy(min_nodes={min_nodes})`, so"
                 " the run cannot go on. Lower `min_nodes`, or resume from the last checkpoint once enough hosts"
                 " serve workers.",
-                lost.ranks,
-                lost.hosts,
-                lost.num_hosts,
-                lost.detected_at,
-            ) from lost
-        idle = self._mesh.shrink(list(lost.hosts))
-        ranks = list(lost.ranks) or "unknown"
-        self._changed(f"lost host(s) {list(lost.hosts)} of {lost.num_hosts} (worker ranks {ranks})", lost.detected_at)
+                tuple(cause.ranks),
+                tuple(cause.hosts),
+                cause.num_hosts,
+                cause.detected_at,
+            ) from cause
+        idle = self._mesh.shrink(list(cause.hosts), alive=alive)
+        self._changed(what, cause.detected_at)
         if idle:
             log.warning(
                 "lightning_monarch: host(s) %s live but serve no worker: Monarch slices a mesh by ranges.", idle
@@ -173,9 +232,12 @@ class ElasticFit:
         if self.resume_points.latest is not None:
             arguments["ckpt_path"] = self.resume_points.path
 
-    def sent_with_resume_point(self, spec: StageSpec) -> StageSpec:
-        """``spec`` with the latest resume point's bytes, from which the workers resume: their
-        hosts may not reach this one's disk."""
+    def prepared(self, spec: StageSpec) -> StageSpec:
+        """``spec`` as the workers of this world run it: asking for preemption notices after each
+        optimizer step where a host serves them, and from the latest resume point, whose bytes
+        travel with it (their hosts may not reach this one's disk)."""
+        notices = any(answer is not None for answer in self._mesh.notices())
+        spec = dataclasses.replace(spec, run_ahead=dataclasses.replace(spec.run_ahead, notices=notices))
         if self.resume_points.latest is None:
             return spec
         return dataclasses.replace(spec, ckpt_path=None, checkpoint=self.resume_points.read())
@@ -189,7 +251,7 @@ class ElasticFit:
         accumulate = self._accumulation(self._num_nodes * workers // hosts, workers)
         self._trainer.accumulate_grad_batches = accumulate
         self._strategy.world_changes += 1
-        epoch, step = self.resume_points.latest or (None, self._trainer.global_step)
+        where, step = self.resume_points.latest or ("the start of the stage", self._trainer.global_step)
         for logger in self._trainer.loggers:
             logger.log_metrics({WORLD_SIZE_METRIC: workers, ACCUMULATION_METRIC: accumulate}, step)
             logger.save()
@@ -200,7 +262,7 @@ class ElasticFit:
             workers,
             hosts,
             accumulate,
-            f"the start of epoch {epoch}" if epoch is not None else "the start of the stage",
+            where,
             step,
             time.monotonic() - detected_at,
         )

@@ -27,7 +27,7 @@ from lightning_monarch.controller import preflight
 from lightning_monarch.controller.callbacks import check_controller_callbacks, check_worker_callbacks
 from lightning_monarch.controller.cells import blocks_the_cell
 from lightning_monarch.controller.channel import StageChannel
-from lightning_monarch.controller.elastic import ElasticFit, HostsReturned
+from lightning_monarch.controller.elastic import ElasticFit, HostsReturned, PreemptionNoticed
 from lightning_monarch.controller.mesh import WorkerMesh
 from lightning_monarch.controller.mirrors import plan_loaders
 from lightning_monarch.controller.payload import pack_for_workers
@@ -106,6 +106,8 @@ class MonarchLauncher(lightning_compat.Launcher):
         try:
             if not mesh.checked:
                 preflight.check(mesh, key.accelerator, key.process_group_backend)
+            if elastic is not None:
+                spec = elastic.prepared(spec)
             while True:
                 try:
                     session, result = self._run_stage(trainer, function, arguments, spec, mesh, module, warned, elastic)
@@ -116,12 +118,13 @@ class MonarchLauncher(lightning_compat.Launcher):
                 except HostsReturned as returned:
                     assert elastic is not None  # raised by it
                     elastic.grow(returned)
+                except PreemptionNoticed as noticed:
+                    assert elastic is not None  # raised by it
+                    elastic.leave(noticed)
                 # the world changed: the stage goes on from the resume point
                 warned.num_workers = mesh.num_workers
                 elastic.resume(arguments)
-                spec = elastic.sent_with_resume_point(
-                    self._stage_spec(stage, trainer, module, datamodule, loaders, arguments)
-                )
+                spec = elastic.prepared(self._stage_spec(stage, trainer, module, datamodule, loaders, arguments))
             warned.show_every_rank(mesh.take_warnings())
             if stage == "predict" and result is not None:
                 batch_sizes = [

@@ -347,13 +347,27 @@ class WorkerMesh:
         self._lost = self._lost or bool(lost)
         return lost
 
-    def shrink(self, lost: list[int]) -> list[int]:
-        """Go on without the hosts in slots ``lost``, keeping the other hosts' processes, as a
-        smaller world: each worker leaves its failed stage and its process group and takes its
-        place in the new world (``controller.world``). Returns the slots of live hosts left out."""
+    def notices(self) -> list[Optional[bool]]:
+        """Each rank's answer, in rank order: whether its host got a preemption notice (``None``
+        where the host serves none, ``worker.notices``)."""
+        return [answer.value for answer in by_rank(self._gather(self._workers.notice.stream()))]
+
+    def noticed(self) -> tuple[list[int], list[int]]:
+        """The slots of the hosts that got a preemption notice, and the ranks of their workers."""
+        ranks = [rank for rank, noticed in enumerate(self.notices()) if noticed]
+        return sorted({self.slots[rank // self._per_host] for rank in ranks}), ranks
+
+    def shrink(self, gone: list[int], alive: bool = False) -> list[int]:
+        """Go on without the hosts in slots ``gone``, keeping the other hosts' processes, as a
+        smaller world: each worker leaves its stage and its process group and takes its place in
+        the new world (``controller.world``). Returns the slots of live hosts left out. ``alive``:
+        the hosts still serve (they got a preemption notice), and their workers leave in good order
+        too, before they are left out; the processes end with their host."""
         assert self._world is not None
-        idle = self._world.remove(lost)
-        self._leave_world()
+        leaving = self._world.workers
+        idle = self._world.remove(gone)
+        self._leave_world(leaving if alive else self._world.workers)
+        self._lost = True  # stopping the mesh must not wait long for the processes of hosts gone
         self._world.join()
         self._death = None
         self._attach()
@@ -364,17 +378,17 @@ class WorkerMesh:
         with them: every other worker keeps its process, leaves the stage it is parked in and its
         process group, and takes its place in the new world."""
         assert self._world is not None
-        self._leave_world()
+        self._leave_world(self._world.workers)
         for slot, mesh in sorted(hosts.items()):
             self._world.add(mesh, [slot])
         self._world.join()
         self._attach()
 
-    def _leave_world(self) -> None:
-        """Every worker of the world leaves its stage and process group (not through ``_gather``:
-        its process watch may still see the dead)."""
-        assert self._world is not None
-        for left in self._world.workers.leave_world.stream():
+    @staticmethod
+    def _leave_world(workers: Any) -> None:
+        """Each of ``workers`` leaves its stage and process group (not through ``_gather``: the
+        process watch may still see the dead)."""
+        for left in workers.leave_world.stream():
             left.get(timeout=_STOP_TIMEOUT_S)
 
     # ----- delivery ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ the callback, the hook and what it read or changed (R6).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.callbacks import check_controller_callbacks
@@ -89,6 +91,7 @@ class StageSession:
         self._module = module
         self._datamodule = datamodule
         self._gate_callback = GateCallback(self.around)
+        self._notice_callback = _AtNotice(self)
         self._plan = plan
         #: When the workers wait for a snapshot; and an elastic ``fit``, which keeps its resume points there.
         self._snapshots = snapshots
@@ -139,11 +142,16 @@ class StageSession:
             )
         self._undo.append(mirror_metrics(self._trainer, self))
         self._attribute(self._trainer.callbacks)  # type: ignore[attr-defined]
-        self._trainer.callbacks.insert(0, self._gate_callback)  # type: ignore[attr-defined]
+        callbacks = self._trainer.callbacks  # type: ignore[attr-defined]
+        callbacks.insert(0, self._gate_callback)
+        if self._plan.notices:
+            callbacks.append(self._notice_callback)
         try:
             yield self
         finally:
-            self._trainer.callbacks.remove(self._gate_callback)  # type: ignore[attr-defined]
+            callbacks.remove(self._gate_callback)
+            if self._notice_callback in callbacks:
+                callbacks.remove(self._notice_callback)
             for step in reversed(self._undo):
                 step()
 
@@ -375,10 +383,18 @@ class StageSession:
             plateau_intervals(self._trainer.lr_scheduler_configs),
             states_can_travel(self._module, self._worker_callbacks, self._sharded),
         )
+        plan = dataclasses.replace(plan, notices=self._plan.notices)
         if plan == self._plan:
             return None
         self._plan = plan
         return plan
+
+    def at_notice(self) -> None:
+        """After the controller's callbacks ran at the end of a training batch: if every worker
+        parked there because hosts got a preemption notice, go on without them from here
+        (``ElasticFit.at_notice`` raises)."""
+        if self._elastic is not None and self._current is not None and self._current.notice:
+            self._elastic.at_notice(self._trainer)
 
     @property
     def parked(self) -> bool:
@@ -516,6 +532,20 @@ class StageSession:
                 for name, child in self._channel.ask_rank0("module_children").items():
                     setattr(module, name, child)
             module.load_state_dict(self.final_state.model)
+
+
+class _AtNotice(Callback):
+    """The controller's last callback in an elastic ``fit`` on hosts that serve preemption notices:
+    at the end of a training batch, after the user's callbacks (a ``ModelCheckpoint`` among them)
+    ran, where every worker parked because a host got a notice, the session keeps a resume point
+    and goes on without that host (:meth:`StageSession.at_notice`)."""
+
+    def __init__(self, session: StageSession) -> None:
+        self._session = session
+
+    @override
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self._session.at_notice()
 
 
 def _pending_loss() -> torch.Tensor:

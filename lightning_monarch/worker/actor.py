@@ -37,6 +37,7 @@ from lightning_monarch.protocol import (
 from lightning_monarch.worker.checkpoints import save_shards
 from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.loop import StageLoop
+from lightning_monarch.worker.notices import noticed, serves_notices
 from lightning_monarch.worker.preflight import inspect_worker
 from lightning_monarch.worker.process import LOCAL_DIMENSION, leave_process_group, torch_elastic_env
 from lightning_monarch.worker.sharding import full_state_dict, is_sharded
@@ -98,12 +99,19 @@ class MonarchWorker(Actor):
         os.environ.update(torch_elastic_env(world, host, point[LOCAL_DIMENSION]))
 
     @endpoint
+    def notice(self) -> RankValue:
+        """Whether this worker's host got a preemption notice (``worker.notices``); ``None`` where
+        the host serves none."""
+        return RankValue(self._rank, noticed() if serves_notices() else None)
+
+    @endpoint
     def leave_world(self) -> None:
         """A host of the mesh was lost (elastic training, ``controller.elastic``): drop the failed
         stage and this process's ``torch.distributed`` group, whose peers are gone. The controller
         then gives the surviving processes the torch elastic environment of the smaller world, and
         the next stage's ``DDPStrategy`` forms its group from it, in this same process. A stage
-        parked at a sync gate (the world grows at an epoch's start) is abandoned there."""
+        parked at a sync gate (the world grows at an epoch's start, or a host got a preemption
+        notice) is abandoned there."""
         if self._stage is not None:
             self._stage.abandon()
         self._drop_stage()

@@ -30,6 +30,7 @@ from lightning_monarch.errors import DivergenceError
 from lightning_monarch.protocol import (
     GATES,
     MAX_STAGED_STATES,
+    NOTICE_GATE,
     SNAPSHOT_GATE,
     Entry,
     Grant,
@@ -43,6 +44,7 @@ from lightning_monarch.protocol import (
 from lightning_monarch.worker.describe import describe_result, worker_side_result
 from lightning_monarch.worker.entries import EntryRecorder
 from lightning_monarch.worker.held_warnings import HELD
+from lightning_monarch.worker.notices import any_host_noticed
 from lightning_monarch.worker.state import RankState
 
 #: How long rank 0 holds its entries for more once the controller asks for them, while its batches
@@ -259,8 +261,9 @@ class StageLoop:
             raise
         finally:
             self._depth = 0
-        sync = self._plan.syncs_at(gate, self._trainer)
-        staged = self._plan.stages_state_at(gate, self._trainer)
+        notice = self._plan.notices and gate == NOTICE_GATE and any_host_noticed(self._trainer)
+        sync = notice or self._plan.syncs_at(gate, self._trainer)
+        staged = not sync and self._plan.stages_state_at(gate, self._trainer)
         if staged and self._rank == 0:
             self._wait_for_staging_room()
         entry = self._recorder.entry(
@@ -272,6 +275,8 @@ class StageLoop:
             views=gate in self._plan.views,
             staged=staged,
         )
+        if notice:
+            entry = dataclasses.replace(entry, notice=True)
         self._gates += 1
         self._publish(entry)
         if entry.sync:

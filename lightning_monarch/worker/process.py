@@ -13,6 +13,8 @@ before any actor of ours and before anything touches a GPU. It makes the process
   environment its own host gave it: on this host the controller's, on a SLURM node the mask
   SLURM set there. The process's Python interpreter stays the host's own (a ``SlurmJob``'s
   ``python_exe``), as no bootstrap command is imposed on it.
+- On a host that serves preemption notices (``lightning-monarch serve``), the process ignores
+  SIGTERM, which its host process takes as the notice (``worker.notices``).
 - Unless the strategy shows every line the workers print (``aggregate_window_sec=None``), the
   process holds its Python warnings for the controller to show once (``worker.held_warnings``),
   from here on: before any stage runs, and before the user's module is unpickled.
@@ -34,6 +36,7 @@ from monarch.actor import current_rank
 from lightning_monarch.devices import pin
 from lightning_monarch.protocol import WorldSpec
 from lightning_monarch.worker.held_warnings import HELD
+from lightning_monarch.worker.notices import ignore_sigterm
 
 #: The variable torchrun sets for every rank of an elastic launch.
 RUN_ID_VARIABLE = "TORCHELASTIC_RUN_ID"
@@ -45,11 +48,12 @@ pinning_problem: Optional[str] = None
 
 
 def start_worker_process(run_id: str, gpu_indices: Optional[tuple[int, ...]], hold_warnings: bool) -> None:
-    """Monarch's bootstrap of one worker process: the elastic run ID, the warnings held for the
-    controller (``hold_warnings``) and, for GPU workers (``gpu_indices``: the ``devices=...`` index
-    of each local rank), the pinned device."""
+    """Monarch's bootstrap of one worker process: the elastic run ID, SIGTERM ignored where the host
+    takes it as a preemption notice, the warnings held for the controller (``hold_warnings``) and,
+    for GPU workers (``gpu_indices``: the ``devices=...`` index of each local rank), the pinned device."""
     global pinning_problem
     os.environ[RUN_ID_VARIABLE] = run_id
+    ignore_sigterm()
     if hold_warnings:
         HELD.install()
     if gpu_indices is None:
