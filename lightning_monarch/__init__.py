@@ -21,6 +21,7 @@ from lightning_monarch.errors import (
     HostsLostError,
     MeshFailureError,
     PreflightError,
+    RehearsalError,
     UnreachableHostsError,
     WorkerError,
     WorkerTimeoutError,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time, __get
     from lightning_monarch.controller.checkpoints import convert_sharded_checkpoint
     from lightning_monarch.controller.plan import observe_only
     from lightning_monarch.controller.pool import stop_meshes
+    from lightning_monarch.controller.rehearsal import RehearsalReport, rehearse
     from lightning_monarch.controller.stats import MeshStatsMonitor
     from lightning_monarch.fsdp import MonarchFSDPStrategy
     from lightning_monarch.strategy import MonarchStrategy
@@ -47,6 +49,8 @@ _CONTROLLER_NAMES = {
     "WorkerGPUAccelerator": "lightning_monarch.controller.accelerator",
     "convert_sharded_checkpoint": "lightning_monarch.controller.checkpoints",
     "observe_only": "lightning_monarch.controller.plan",
+    "RehearsalReport": "lightning_monarch.controller.rehearsal",
+    "rehearse": "lightning_monarch.controller.rehearsal",
     "stop_meshes": "lightning_monarch.controller.pool",
 }
 
@@ -58,12 +62,15 @@ __all__ = [
     "MonarchFSDPStrategy",
     "MonarchStrategy",
     "PreflightError",
+    "RehearsalError",
+    "RehearsalReport",
     "UnreachableHostsError",
     "WorkerError",
     "WorkerGPUAccelerator",
     "WorkerTimeoutError",
     "convert_sharded_checkpoint",
     "observe_only",
+    "rehearse",
     "stop_meshes",
 ]
 

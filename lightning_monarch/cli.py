@@ -1,5 +1,5 @@
-"""``lightning-monarch``: the plugin's command line, with ``info``, ``preflight``, ``benchmark``, ``convert``
-and ``serve``.
+"""``lightning-monarch``: the plugin's command line, with ``info``, ``preflight``, ``benchmark``, ``rehearse``,
+``convert`` and ``serve``.
 
 Runs in the user's shell on the controller's machine (``python -m lightning_monarch`` is the same),
 but ``serve``, which runs on each worker host.
@@ -10,6 +10,8 @@ but ``serve``, which runs on each worker host.
   amdsmi on ROCm), as Lightning does.
 - ``preflight`` starts the mesh and checks every worker (``lightning_monarch.controller.preflight``).
 - ``benchmark`` times ``monarch`` against ``ddp`` on this machine (``lightning_monarch.benchmark``).
+- ``rehearse`` rehearses the ``fit`` of a LightningCLI config on its workers
+  (``lightning_monarch.rehearse``) and prints the report, as a table or as JSON.
 - ``convert`` turns a sharded checkpoint directory (``MonarchFSDPStrategy``) into one Lightning
   checkpoint file, in this process alone (``lightning_monarch.convert_sharded_checkpoint``).
 - ``serve`` makes this machine a worker host at an address, whose SIGTERM is a preemption notice
@@ -45,6 +47,7 @@ from lightning_monarch import host
 from lightning_monarch.benchmark.compare import BenchmarkError, compare
 from lightning_monarch.benchmark.models import SIZES
 from lightning_monarch.controller import preflight
+from lightning_monarch.controller.rehearsal import DEFAULT_STEPS
 from lightning_monarch.devices import VISIBILITY_VARS, visibility
 from lightning_monarch.protocol import versions, worker_backend
 from lightning_monarch.strategy import MonarchStrategy
@@ -231,6 +234,38 @@ def _benchmark(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rehearse(args: argparse.Namespace) -> int:
+    """``lightning-monarch rehearse``: the config's model, data and Trainer, as LightningCLI builds
+    them, rehearsed on the Trainer's workers; exit code 1 when the rehearsal fails."""
+    from lightning.pytorch.cli import LightningCLI
+
+    if not os.path.isfile(args.config):
+        raise UsageError(f"--config {args.config}: no such file. Give the YAML config of a LightningCLI `fit`.")
+    built = LightningCLI(args=["--config", args.config], run=False, save_config_callback=None)
+    if not isinstance(built.trainer.strategy, MonarchStrategy):
+        raise UsageError(
+            f"--config {args.config}: its Trainer's strategy is {type(built.trainer.strategy).__name__}; a rehearsal"
+            " runs on Monarch workers. Set `trainer.strategy: monarch` in the config."
+        )
+    try:
+        report = lightning_monarch.rehearse(
+            built.trainer,
+            built.model,
+            datamodule=built.datamodule,
+            steps=args.steps,
+            memory_limit_gib=args.memory_limit_gib,
+        )
+    except ValueError as error:  # the steps or the memory limit, or loaders without a length
+        raise UsageError(str(error)) from None
+    except lightning_monarch.RehearsalError as error:
+        print(f"{PROG} rehearse: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 1
+    finally:
+        lightning_monarch.stop_meshes()
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     """``lightning-monarch convert``: ``convert_sharded_checkpoint`` here, no worker."""
     try:
@@ -293,6 +328,22 @@ def build_parser() -> argparse.ArgumentParser:
     benchmark.add_argument("--reps", type=int, default=2, help="runs per strategy, alternating")
     benchmark.add_argument("--json", action="store_true", help="print JSON")
     benchmark.set_defaults(run=_benchmark)
+
+    rehearsal = commands.add_parser(
+        "rehearse",
+        help="a few real steps of a config's fit on its workers, with a memory and time projection",
+        description="Rehearse the fit of a LightningCLI config on its Monarch workers and report memory, times"
+        " and the run's projected time.",
+    )
+    rehearsal.add_argument(
+        "--config", required=True, help="the LightningCLI YAML config (its trainer: strategy monarch)"
+    )
+    rehearsal.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps to rehearse")
+    rehearsal.add_argument(
+        "--memory-limit-gib", type=float, default=None, help="memory each worker may use, if less than its device's"
+    )
+    rehearsal.add_argument("--json", action="store_true", help="print JSON")
+    rehearsal.set_defaults(run=_rehearse)
 
     assert lightning_monarch.convert_sharded_checkpoint.__doc__ is not None
     convert = commands.add_parser(

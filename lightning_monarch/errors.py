@@ -83,3 +83,13 @@ class DivergenceError(RuntimeError):
 class PreflightError(RuntimeError):
     """Workers failed their checks before the first step (``lightning-monarch preflight`` runs the
     same checks alone); the message lists every problem, by host and rank."""
+
+
+class RehearsalError(RuntimeError):
+    """A rehearsal (``lightning_monarch.rehearse``, ``MonarchStrategy(rehearse=True)``) failed on a
+    worker: the message names the rank, the hook and the memory the worker had in use then;
+    ``failure`` has its traceback."""
+
+    def __init__(self, message: str, failure: WorkerFailure) -> None:
+        super().__init__(f"{message}\n\nRemote traceback (rank {failure.rank}):\n{failure.traceback}")
+        self.failure = failure

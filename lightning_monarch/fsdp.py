@@ -110,6 +110,17 @@ class MonarchFSDPStrategy(MonarchStrategy):
         #: The last stage, whose workers keep the module's shards while the mesh stays warm.
         self._last_sharded: Optional[StageSession] = None
 
+    @override
+    def _arguments(self) -> dict[str, Any]:
+        return {
+            **super()._arguments(),
+            "fsdp_policy": self.fsdp_policy,
+            "mixed_precision": self.mixed_precision,
+            "activation_checkpointing_policy": self.activation_checkpointing_policy,
+            "cpu_offload": self.cpu_offload,
+            "snapshot_dir": self.snapshot_dir,
+        }
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -394,6 +394,9 @@ class StageSpec:
     run_ahead: RunAhead
     #: Set when new workers replace failed ones: the snapshot they resume from.
     resume: Optional[ResumePoint] = None
+    #: A rehearsal (``controller.rehearsal``): every rank records its batch times and memory
+    #: (``worker.stats.RehearsalRecorder``), read with its stats.
+    rehearsal: bool = False
     #: A checkpoint file's bytes that travel with the stage, for workers on hosts that may not
     #: reach the controller's disk: the workers resume from it instead of ``ckpt_path`` (an
     #: elastic ``fit`` going on from its resume point in a smaller world, ``controller.elastic``).
@@ -667,10 +670,18 @@ class WorkerFailure:
     exception_type: str
     message: str
     traceback: str
+    #: The memory the worker had in use when it failed, in MiB: its GPU's allocated memory, or on a
+    #: CPU worker its process's resident size.
+    memory_mib: Optional[float] = None
 
     @classmethod
     def capture(cls, error: BaseException, rank: int, hook: Optional[str]) -> WorkerFailure:
-        """Describe ``error``, raised on this host at rank ``rank`` in ``hook``, with its traceback."""
+        """Describe ``error``, raised on this host at rank ``rank`` in ``hook``, with its traceback
+        and the memory in use."""
+        import psutil
+        import torch
+
+        in_use = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else psutil.Process().memory_info().rss
         return cls(
             rank=rank,
             host=socket.gethostname(),
@@ -678,6 +689,7 @@ class WorkerFailure:
             exception_type=type(error).__name__,
             message=str(error),
             traceback="".join(traceback.format_exception(error)),
+            memory_mib=in_use / 2**20,
         )
 
 

@@ -35,6 +35,7 @@ from lightning_monarch.controller.launcher import MonarchLauncher
 from lightning_monarch.controller.mirrors import GradScalerMirror
 from lightning_monarch.controller.output import WorkerOutput
 from lightning_monarch.controller.pool import MeshKey
+from lightning_monarch.controller.rehearsal import RehearsalReport
 from lightning_monarch.controller.session import StageSession
 from lightning_monarch.devices import host_gpu_count, pin
 from lightning_monarch.protocol import CheckpointState, RankStats, ShardingSpec
@@ -109,6 +110,11 @@ class MonarchStrategy(ParallelStrategy):
             ``fit``/``validate``/``test``/``predict`` with the same devices and backend, in this
             Trainer or another (``lightning_monarch.stop_meshes()`` or interpreter exit stops
             them). ``False`` starts and stops a mesh for every stage.
+        rehearse: before each ``fit``, rehearse it on the workers (``lightning_monarch.rehearse``):
+            a few real steps, one validation batch and one checkpoint, then print the report (memory
+            per rank, step time, the run's projected time, warnings with their fixes) and keep it in
+            ``strategy.rehearsal``. A rehearsal that fails raises ``RehearsalError`` before the
+            ``fit`` starts; the ``fit`` itself gives what it gives without one.
         **ddp_kwargs: keyword arguments for ``DistributedDataParallel`` on the workers, as for
             ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``, ...).
     """
@@ -134,6 +140,7 @@ class MonarchStrategy(ParallelStrategy):
         step_timeout: Optional[float] = None,
         max_ahead: Optional[int] = DEFAULT_MAX_AHEAD,
         keep_warm: bool = True,
+        rehearse: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -178,6 +185,11 @@ class MonarchStrategy(ParallelStrategy):
             none="for no limit",
         )
         self.keep_warm = arguments.flag(owner, "keep_warm", keep_warm)
+        self.rehearse = arguments.flag(owner, "rehearse", rehearse)
+        #: The report of the last rehearsal (``rehearse=True``), ``None`` before one.
+        self.rehearsal: Optional[RehearsalReport] = None
+        #: Whether this strategy runs a rehearsal (:meth:`_rehearsal_twin`).
+        self._rehearsing = False
         #: How many times this strategy's stages replaced their worker processes after a failure.
         self.restarts = 0
         #: How many times an elastic ``fit`` of this strategy went on in a smaller world (``min_nodes``).
@@ -238,6 +250,42 @@ class MonarchStrategy(ParallelStrategy):
             WorkerOutput(self.aggregate_window_sec) if self._host_mesh is not None else None,
             hold_warnings=self.aggregate_window_sec is not None,
         )
+
+    def _arguments(self) -> dict[str, Any]:
+        """The arguments this strategy was made with, as its constructor takes them."""
+        return {
+            "hosts": self.hosts,
+            "connect_timeout": self.connect_timeout,
+            "aggregate_window_sec": self.aggregate_window_sec,
+            "process_group_backend": self.process_group_backend,
+            "worker_callbacks": self.worker_callbacks,
+            "max_restarts": self.max_restarts,
+            "snapshot_every_n_epochs": self.snapshot_every_n_epochs,
+            "min_nodes": self.min_nodes,
+            "keep_global_batch": self.keep_global_batch,
+            "step_timeout": self.step_timeout,
+            "max_ahead": self.max_ahead,
+            "keep_warm": self.keep_warm,
+            "rehearse": self.rehearse,
+            **self.ddp_kwargs,
+        }
+
+    def _rehearsal_twin(self) -> MonarchStrategy:
+        """A strategy like this one for a rehearsal's Trainer (``controller.rehearsal``): on the same
+        hosts (their ``HostMesh``, so that both take the same warm mesh), kept warm for the run that
+        follows, without restarts, elastic training or a rehearsal of its own."""
+        twin = type(self)(
+            **{
+                **self._arguments(),
+                "hosts": self._host_mesh,
+                "max_restarts": 0,
+                "min_nodes": None,
+                "keep_warm": True,
+                "rehearse": False,
+            }
+        )
+        twin._rehearsing = True
+        return twin
 
     def _pins_here(self, gpu_indices: Optional[tuple[int, ...]]) -> Optional[tuple[tuple[str, str], ...]]:
         """For GPU workers on this host: the visibility variable each local rank will pin itself
@@ -326,8 +374,9 @@ class MonarchStrategy(ParallelStrategy):
             )
 
     def _devices_argument(self) -> Any:
+        """``Trainer(devices=...)`` as it selects this strategy's devices: a count, or GPU indices."""
         indices = [device.index or 0 for device in self.parallel_devices or ()]
-        return len(indices) if indices == list(range(len(indices))) else indices
+        return indices if self.worker_accelerator == "cuda" and indices != list(range(len(indices))) else len(indices)
 
     # ----- one process to Lightning ----------------------------------------------------------
 

@@ -85,6 +85,7 @@ def test_help_lists_the_commands() -> None:
         "info",
         "preflight",
         "benchmark",
+        "rehearse",
         "convert",
         "serve",
     ], done.stdout

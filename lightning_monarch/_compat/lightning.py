@@ -33,6 +33,7 @@ __all__ = [
     "Launcher",
     "LoggerConnector",
     "carry_fit_progress",
+    "checkpoint_every_n_epochs",
     "checkpoint_schedule",
     "checks_loader_lengths",
     "combined_loader_lengths",
@@ -54,6 +55,7 @@ __all__ = [
     "set_precision_plugin",
     "set_rng_states",
     "stage_of",
+    "stepped_this_batch",
     "stored_metrics",
     "trainer_flags",
     "without_external_callbacks",
@@ -90,7 +92,8 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "trainer.validate_loop": ("_combined_loader", "_data_fetcher"),
     "trainer.test_loop": ("_combined_loader", "_data_fetcher"),
     "trainer.predict_loop": ("_combined_loader", "_data_fetcher"),
-    "model_checkpoint": ("_every_n_train_steps", "_train_time_interval"),
+    "model_checkpoint": ("_every_n_train_steps", "_train_time_interval", "_every_n_epochs"),
+    "trainer.fit_loop.epoch_loop": ("_should_accumulate",),
 }
 
 LR_SCHEDULER_TYPES = LRSchedulerTypeTuple
@@ -362,6 +365,11 @@ def checkpoint_schedule(callback: Any) -> tuple[int, Any]:
     """A ``ModelCheckpoint``'s ``every_n_train_steps`` and ``train_time_interval``, as it keeps them
     (a count of 0 when it saves at epoch ends instead)."""
     return callback._every_n_train_steps, callback._train_time_interval
+
+
+def checkpoint_every_n_epochs(callback: Any) -> int:
+    """A ``ModelCheckpoint``'s ``every_n_epochs``, as it keeps it (0 when it saves by steps or time)."""
+    return callback._every_n_epochs
 
 
 def route_accelerator(choose: Callable[[Any, Any], Any]) -> None:

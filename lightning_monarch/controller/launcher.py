@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
@@ -33,9 +33,10 @@ from lightning_monarch.controller.mirrors import plan_loaders
 from lightning_monarch.controller.payload import pack_for_workers
 from lightning_monarch.controller.plan import make_plan, states_can_travel
 from lightning_monarch.controller.pool import MESHES
+from lightning_monarch.controller.rehearsal import rehearse
 from lightning_monarch.controller.session import StageSession
 from lightning_monarch.controller.worker_warnings import WorkerWarnings
-from lightning_monarch.errors import HostsLostError
+from lightning_monarch.errors import HostsLostError, WorkerError
 from lightning_monarch.gates import install_hook_gates
 from lightning_monarch.protocol import LoaderRef, LoggerIdentity, SnapshotEpochs, StageSpec, TrainerConfig
 
@@ -95,6 +96,8 @@ class MonarchLauncher(lightning_compat.Launcher):
         datamodule = arguments.get("datamodule")
         loaders = {name: arguments[name] for name in loader_args if arguments.get(name) is not None}
         spec = self._stage_spec(stage, trainer, module, datamodule, loaders, arguments)
+        if stage == "fit" and self._strategy.rehearse:
+            self._rehearse(trainer, module, datamodule, loaders)
 
         silence = _silence_on_exception(datamodule)
         key = self._strategy._mesh_key()
@@ -102,7 +105,7 @@ class MonarchLauncher(lightning_compat.Launcher):
         mesh.step_timeout = self._strategy.step_timeout
         warned = WorkerWarnings(mesh.num_workers)
         elastic = ElasticFit(self._strategy, trainer, mesh) if stage == "fit" and self._strategy.min_nodes else None
-        ended_cleanly = False
+        ended_cleanly = reusable = False
         try:
             if not mesh.checked:
                 preflight.check(mesh, key.accelerator, key.process_group_backend)
@@ -136,13 +139,14 @@ class MonarchLauncher(lightning_compat.Launcher):
         except BaseException as error:
             if isinstance(error, Exception):  # not on an interrupt: the user wants out
                 _show_held_warnings(warned, mesh)
+            reusable = self._strategy._rehearsing and _ready_again(error, mesh)
             self._strategy._keep_until_exception_handled(silence)
             silence = None
             raise
         finally:
             # a mesh that lost hosts is not the one the strategy asks for: the next stage starts anew
             keep = self._strategy.keep_warm and not (elastic is not None and elastic.changed)
-            MESHES.release(key, mesh, keep=keep, failed=not ended_cleanly)
+            MESHES.release(key, mesh, keep=keep, failed=not (ended_cleanly or reusable))
             if elastic is not None:
                 elastic.restore()
             if silence is not None:
@@ -204,6 +208,21 @@ class MonarchLauncher(lightning_compat.Launcher):
             strategy.restarts += channel.restarts
             if snapshots is not None:
                 snapshots.remove()
+
+    def _rehearse(
+        self,
+        trainer: Trainer,
+        module: LightningModule,
+        datamodule: Optional[LightningDataModule],
+        loaders: dict[str, Any],
+    ) -> None:
+        """``MonarchStrategy(rehearse=True)``: rehearse the ``fit`` on its workers first, show the
+        report (its warnings as warnings) and keep it in ``strategy.rehearsal``."""
+        report = rehearse(trainer, module, datamodule=datamodule, **loaders)
+        self._strategy.rehearsal = report
+        rank_zero_info(f"lightning_monarch: rehearsal of this fit on its workers:\n{report.table()}")
+        for warning in report.warnings:
+            rank_zero_warn(f"lightning_monarch rehearsal: {warning}")
 
     def _snapshots(self) -> Optional[SnapshotEpochs]:
         """When the workers wait for a snapshot: every ``snapshot_every_n_epochs`` training epochs
@@ -275,6 +294,7 @@ class MonarchLauncher(lightning_compat.Launcher):
             ],
             sys_path=(script_dir,) if script_dir else (),
             env={name: os.environ.get(name) for name in _SEED_ENV},
+            rehearsal=strategy._rehearsing,
             run_ahead=make_plan(
                 trainer.callbacks,  # type: ignore[attr-defined]
                 strategy.max_ahead,
@@ -297,6 +317,21 @@ def _show_held_warnings(warned: WorkerWarnings, mesh: Any) -> None:
         warned.show_every_rank(mesh.take_warnings())
     except Exception as error:
         log.debug("The workers' warnings after a failed stage could not be shown: %s", error)
+
+
+def _ready_again(error: BaseException, mesh: WorkerMesh) -> bool:
+    """After a failed rehearsal: whether its workers can run the next stage as they are, with a
+    new process group (``WorkerMesh.reset_world``), because an exception ended the stage on every
+    rank (an out-of-memory error does on identical replicas). A rank still waiting in a collective,
+    or a dead one, means the mesh is stopped, as after any failed stage."""
+    if not isinstance(error, WorkerError) or not mesh.stages_ended():
+        return False
+    try:
+        mesh.reset_world()
+    except Exception as failure:  # stop it, as after any failed stage
+        log.warning("The workers of the failed rehearsal could not form a new process group: %s", failure)
+        return False
+    return True
 
 
 def _skip(gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:

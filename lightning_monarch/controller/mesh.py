@@ -347,6 +347,27 @@ class WorkerMesh:
         self._lost = self._lost or bool(lost)
         return lost
 
+    def stages_ended(self, timeout: float = _TAKE_WARNINGS_S) -> bool:
+        """Whether every rank's stage ended with a failure within ``timeout`` seconds: after one
+        rank's failure, another may still wait in a collective for it, and only a kill ends that."""
+        deadline = time.monotonic() + timeout
+        for future in self._workers.status.stream():
+            try:
+                status = future.get(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # no answer in time, or a dead process
+                return False
+            if status.failure is None:
+                return False
+        return True
+
+    def reset_world(self) -> None:
+        """Every worker leaves its process group and takes its place in a new one of the same
+        world (a new ``MASTER_PORT``): after a stage that failed on every rank, a collective that
+        one rank began and another never joined must not meet the next stage's."""
+        assert self._world is not None
+        self._leave_world(self._world.workers)
+        self._world.join()
+
     def notices(self) -> list[Optional[bool]]:
         """Each rank's answer, in rank order: whether its host got a preemption notice (``None``
         where the host serves none, ``worker.notices``)."""

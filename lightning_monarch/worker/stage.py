@@ -33,6 +33,7 @@ from lightning_monarch.worker.logger import recording_loggers
 from lightning_monarch.worker.loop import StageLoop
 from lightning_monarch.worker.sharding import shard_in_configure_model, sharded_strategy
 from lightning_monarch.worker.state import RankState
+from lightning_monarch.worker.stats import RehearsalRecorder
 
 #: Extra keyword arguments each stage method takes on a worker.
 _STAGE_KWARGS = {
@@ -97,7 +98,11 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
             ),
             # ``str(trainer.precision)`` of the controller's Trainer: one of the values Lightning's ``precision`` accepts
             precision=cast(Any, config.precision),
-            callbacks=[GateCallback(around), *worker_callbacks],
+            callbacks=[
+                GateCallback(around),
+                *worker_callbacks,
+                *([RehearsalRecorder()] if spec.rehearsal else []),
+            ],
             logger=loggers or False,
             enable_checkpointing=False,
             enable_progress_bar=False,

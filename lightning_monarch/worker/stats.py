@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import statistics
 import time
 from typing import Any, Optional, Union
 
@@ -25,6 +26,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch._compat import torch as torch_compat
 from lightning_monarch.protocol import RankStats
 
@@ -101,6 +103,80 @@ class StepTimer(Callback):
         if not spans:
             return None
         return sum(self._clock.elapsed_ms(start, end) for start, end in spans) / len(spans)
+
+
+class RehearsalRecorder(Callback):
+    """Runs in each worker during a rehearsal (``controller.rehearsal``), the last of the rank's
+    callbacks: the interval between its training batch starts (the whole batch, data, forward,
+    backward, all-reduce and optimizer step included: under DDP the ranks start each batch in
+    step), its validation batch times, its memory after its first optimizer step, and its peak
+    memory: torch's allocator peak on a GPU, the largest resident size at a batch end on a CPU,
+    against its device's memory, or on a CPU its part of the host's (shared by the host's workers).
+    Read with the rank's stats (:meth:`RankStatsReader.read`)."""
+
+    def __init__(self) -> None:
+        self._gpu = False
+        self._batch_starts: list[float] = []
+        self._val_started = 0.0
+        self._val_times: list[float] = []
+        self._after_first_step: Optional[float] = None
+        self._peak = 0.0
+
+    def _memory_mib(self) -> float:
+        if self._gpu:
+            return torch.cuda.memory_allocated() / _MIB
+        return psutil.Process().memory_info().rss / _MIB
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._gpu = trainer.strategy.root_device.type == "cuda"
+        if self._gpu:
+            torch.cuda.reset_peak_memory_stats()
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_starts.append(time.perf_counter())
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        memory = self._memory_mib()
+        self._peak = max(self._peak, memory)
+        if self._after_first_step is None and lightning_compat.stepped_this_batch(trainer):
+            self._after_first_step = memory
+
+    @override
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._val_started = time.perf_counter()
+
+    @override
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self._gpu:
+            torch.cuda.synchronize()  # the batch's device work, not its launch
+        self._val_times.append(time.perf_counter() - self._val_started)
+
+    def readings(self) -> dict[str, float]:
+        """What it recorded, named with units: the batch interval is the median of those after the
+        first batch (which holds the start-up), the validation batch time the median."""
+        values: dict[str, float] = {}
+        starts = self._batch_starts[1:]
+        intervals = [later - earlier for earlier, later in zip(starts, starts[1:], strict=False)]
+        if intervals:
+            values["batch_interval_ms"] = statistics.median(intervals) * 1e3
+        if self._val_times:
+            values["val_batch_ms"] = statistics.median(self._val_times) * 1e3
+        if self._after_first_step is not None:
+            values["memory_after_first_step_mib"] = self._after_first_step
+        if self._gpu:
+            values["memory_peak_mib"] = torch.cuda.max_memory_allocated() / _MIB
+            values["memory_total_mib"] = (
+                torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / _MIB
+            )
+        else:
+            values["memory_peak_mib"] = max(self._peak, self._memory_mib())
+            # the workers of a host share its memory: each rank's part of it
+            workers_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            values["memory_total_mib"] = psutil.virtual_memory().total / _MIB / workers_here
+        return values
 
 
 class GpuSensors:
@@ -210,6 +286,9 @@ class RankStatsReader:
         if device.type == "cuda":
             gpu, missing = self._gpu.read()
             values.update(gpu)
+        for callback in callbacks:
+            if isinstance(callback, RehearsalRecorder):
+                values.update(callback.readings())
         return RankStats(rank=rank, values=values, missing=missing)
 
     def _process_stats(self) -> dict[str, float]:
