@@ -111,7 +111,7 @@ def _plot(projected: float, epochs_s: list[float], path: Path) -> None:
     axis.bar(labels, [projected, *epochs_s], color=colors)
     axis.axhspan(projected * 0.85, projected * 1.15, color="tab:blue", alpha=0.1)
     axis.set_ylabel("seconds an epoch")
-    axis.set_title(f"Rehearsal's projection against the fit, {SIZE} model, 2 CPU workers\n(epoch 0 holds the start-up)")
+    axis.set_title(f"Projected epoch against the fit's epochs\n{SIZE} model, 2 CPU workers (band: ±15%)")
     figure.tight_layout()
     figure.savefig(path)
 
