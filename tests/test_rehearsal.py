@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_monarch import MonarchFSDPStrategy, MonarchStrategy, RehearsalError, cli, rehearse
 from lightning_monarch.controller.pool import MESHES
-from lightning_monarch.controller.rehearsal import Projection, RankRehearsal, RehearsalReport, _warnings
+from lightning_monarch.controller.rehearsal import Projection, RankRehearsal, RehearsalReport, _copy, _warnings
 from tests.models import ClassificationDataModule, Classifier, DataModuleClassifier
 from tests.parity_cases import comparable_checkpoint
 
@@ -190,6 +190,13 @@ def test_the_rehearsals_strategy_is_the_runs_without_restarts_or_elastic_trainin
     sharded_twin = sharded._rehearsal_twin()
     assert type(sharded_twin) is MonarchFSDPStrategy
     assert sharded_twin._arguments() == {**sharded._arguments(), "keep_warm": True}  # the run takes its mesh
+
+
+def test_the_rehearsals_copies_leave_the_trainers_out() -> None:
+    datamodule, trainer, earlier = ClassificationDataModule(), _trainer(), _trainer()
+    datamodule.trainer = earlier  # attached by an earlier fit
+    copied = _copy(datamodule, trainer)
+    assert copied is not datamodule and copied.trainer is None and datamodule.trainer is earlier
 
 
 def test_a_rehearsal_needs_the_monarch_strategy() -> None:

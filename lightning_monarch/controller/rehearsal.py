@@ -151,11 +151,11 @@ def rehearse(
     """Rehearse ``trainer.fit(model, ...)`` on the workers of ``trainer``'s strategy (``"monarch"``):
     ``steps`` optimizer steps, one validation batch, one checkpoint to a temporary file; then
     report memory and times per rank, the run's projected time, and warnings with their fixes.
-    ``memory_limit_gib``: the memory each rank may use, if less than its device's (or, on CPU,
-    the host's) total. A rehearsal that fails raises ``RehearsalError``, naming the rank, the hook
+    ``memory_limit_gib``: the memory each rank may use, if less than its device's (on a CPU, its
+    part of the host's: the host's memory over its workers). A rehearsal that fails raises ``RehearsalError``, naming the rank, the hook
     and its memory then. The ``fit`` that follows gives exactly what it gives without a rehearsal."""
     strategy = trainer.strategy
-    from lightning_monarch.strategy import MonarchStrategy
+    from lightning_monarch.strategy import MonarchStrategy  # which imports the launcher, which imports this
 
     if not isinstance(strategy, MonarchStrategy):
         raise TypeError(
@@ -198,10 +198,10 @@ def rehearse(
     with _random_states_kept(), tempfile.TemporaryDirectory(prefix="lightning_monarch_rehearsal_") as scratch:
         try:
             rehearsal.fit(
-                copy.deepcopy(model),
-                train_dataloaders=copy.deepcopy(train_dataloaders),
-                val_dataloaders=copy.deepcopy(val_dataloaders),
-                datamodule=copy.deepcopy(datamodule),
+                _copy(model, trainer),
+                train_dataloaders=_copy(train_dataloaders, trainer),
+                val_dataloaders=_copy(val_dataloaders, trainer),
+                datamodule=_copy(datamodule, trainer),
             )
         except WorkerError as error:
             failure = error.failure
@@ -215,7 +215,7 @@ def rehearse(
         started = time.monotonic()
         rehearsal.save_checkpoint(path)
         write_s = time.monotonic() - started
-        checkpoint_mib = os.path.getsize(path) / _MIB
+        checkpoint_mib = _size(path) / _MIB
     assert probe.stats is not None and probe.lengths is not None  # read at the stage's end
     return _report(trainer, probe.stats, probe.lengths, checkpoint_mib, write_s, limit)
 
@@ -245,6 +245,23 @@ class _Probe(Callback):
             )
         # Lightning cycles train loaders to the longest by default, and runs validation loaders one after another
         self.lengths = (max(train, default=0), sum(val))
+
+
+def _size(path: str) -> int:
+    """The bytes of a checkpoint: a file, or under ``MonarchFSDPStrategy`` a directory of shards."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)
+
+
+def _copy(value: Any, trainer: Trainer) -> Any:
+    """A deep copy of ``value`` without the Trainers it refers to, as the workers' payload leaves
+    them out (``controller.payload``): a LightningDataModule keeps the last Trainer it was attached to."""
+    memo: dict[int, Any] = {id(trainer): None}
+    attached = value.trainer if isinstance(value, LightningDataModule) else None
+    if attached is not None:
+        memo[id(attached)] = None
+    return copy.deepcopy(value, memo)
 
 
 @contextmanager
