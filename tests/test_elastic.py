@@ -83,14 +83,25 @@ def _ddp_reference(out_dir: Path, sequence: str) -> dict[str, Any]:
 
 
 def _fit_elastic(
-    out_dir: Path, hosts: Any, callback: L.Callback, caplog: Any, worker_callbacks: Sequence[L.Callback] = ()
+    out_dir: Path,
+    hosts: Any,
+    callbacks: Sequence[L.Callback],
+    caplog: Any,
+    worker_callbacks: Sequence[L.Callback] = (),
+    max_restarts: int = 0,
 ) -> tuple[MonarchStrategy, L.Trainer, dict[str, Any], list[str]]:
-    """The elastic run on ``hosts`` (2, one worker each) with ``callback`` on the controller: its
+    """The elastic run on ``hosts`` (2, one worker each) with ``callbacks`` on the controller: its
     strategy, Trainer, what the test compares, and the lines that logged its world changes."""
     L.seed_everything(elastic_runs.SEED)
     model = Classifier()
-    strategy = MonarchStrategy(hosts=hosts, min_nodes=1, connect_timeout=10, worker_callbacks=list(worker_callbacks))
-    trainer = elastic_runs.trainer(out_dir, strategy, [callback], devices=1, num_nodes=2)
+    strategy = MonarchStrategy(
+        hosts=hosts,
+        min_nodes=1,
+        connect_timeout=10,
+        worker_callbacks=list(worker_callbacks),
+        max_restarts=max_restarts,
+    )
+    trainer = elastic_runs.trainer(out_dir, strategy, callbacks, devices=1, num_nodes=2)
     with caplog.at_level(logging.WARNING, logger="lightning_monarch.controller.elastic"):
         trainer.fit(model)
     changes = [record.getMessage() for record in caplog.records if "training goes on" in record.getMessage()]
@@ -116,7 +127,7 @@ def test_a_fit_that_loses_a_host_ends_as_ddp_stopped_at_the_resume_point_and_res
     job = ProcessJob({"hosts": 2})
     killer = KillHost(rank=1, step=KILL_AT_STEP)
     try:
-        strategy, trainer, ours, changes = _fit_elastic(tmp_path / "monarch", job, killer, caplog)
+        strategy, trainer, ours, changes = _fit_elastic(tmp_path / "monarch", job, [killer], caplog)
     finally:
         stop_meshes()
         job.kill()
@@ -127,6 +138,39 @@ def test_a_fit_that_loses_a_host_ends_as_ddp_stopped_at_the_resume_point_and_res
     (change,) = changes
     assert "lost host(s) [1] of 2 (worker ranks [1]); training goes on with 1 worker(s) on 1 host(s)" in change
     assert "accumulate_grad_batches=2, from the start of epoch 2 (global step 12)" in change
+    _assert_same_run(ours, reference, tmp_path)
+
+
+class KillSurvivor(L.Callback):
+    """SIGKILLs, from the controller, the worker left after a shrink (its host lives on) once the
+    controller's loop reaches ``step`` in the smaller world; records its process ID then."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.killed: Optional[int] = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.killed is None and trainer.strategy.num_nodes == 1 and trainer.global_step >= self.step:
+            self.killed = trainer.strategy.worker_pids[0]
+            os.kill(self.killed, signal.SIGKILL)
+
+
+def test_a_worker_that_dies_after_a_shrink_is_replaced_on_the_hosts_left(tmp_path: Path, caplog: Any) -> None:
+    reference = _ddp_reference(tmp_path / "ddp", "shrink")
+    job = ProcessJob({"hosts": 2})
+    killer = KillHost(rank=1, step=KILL_AT_STEP)
+    survivor = KillSurvivor(step=20)  # in epoch 3, after its snapshot
+    try:
+        strategy, _, ours, changes = _fit_elastic(tmp_path / "monarch", job, [killer, survivor], caplog, max_restarts=1)
+    finally:
+        stop_meshes()
+        job.kill()
+
+    assert strategy.world_changes == 1 and strategy.restarts == 1
+    assert killer.pids_at_end is not None and survivor.killed is not None
+    assert len(killer.pids_at_end) == 1 and killer.pids_at_end[0] != survivor.killed  # a new process on host 0
+    (change,) = changes
+    assert "from the start of epoch 2 (global step 12)" in change
     _assert_same_run(ours, reference, tmp_path)
 
 
@@ -147,7 +191,7 @@ def test_a_lost_host_that_serves_again_rejoins_at_the_next_epoch_as_ddp_resumed_
         for host in hosts:
             host.start()
         strategy, _, ours, changes = _fit_elastic(
-            tmp_path / "monarch", lambda: [host.address for host in hosts], killer, caplog
+            tmp_path / "monarch", lambda: [host.address for host in hosts], [killer], caplog
         )
     finally:
         stop_meshes()
@@ -195,7 +239,7 @@ def test_a_preemption_notice_shrinks_the_world_at_the_next_step_end_with_no_step
         for host in hosts:
             host.start()
         strategy, trainer, ours, changes = _fit_elastic(
-            tmp_path / "monarch", [host.address for host in hosts], recorder, caplog, worker_callbacks=[preempt]
+            tmp_path / "monarch", [host.address for host in hosts], [recorder], caplog, worker_callbacks=[preempt]
         )
         preempted = hosts[1].process
         assert preempted is not None and preempted.poll() is None  # its grace is not over: it lives on
