@@ -174,6 +174,31 @@ def test_a_worker_that_dies_after_a_shrink_is_replaced_on_the_hosts_left(tmp_pat
     _assert_same_run(ours, reference, tmp_path)
 
 
+def test_a_host_back_at_the_same_address_is_refused_by_monarch_and_the_run_goes_on_without_it(
+    tmp_path: Path, caplog: Any
+) -> None:
+    """Monarch 0.7 refuses a host process restarted at an address this controller talked to
+    (meta-pytorch/monarch#4310): the controller says so once, with the fix, and goes on."""
+    reference = _ddp_reference(tmp_path / "ddp", "shrink")
+    hosts = [ServedHost(), ServedHost()]
+    killer = KillHost(rank=1, step=KILL_AT_STEP, then=hosts[1].start)  # the same address
+    try:
+        for host in hosts:
+            host.start()
+        strategy, _, ours, changes = _fit_elastic(
+            tmp_path / "monarch", [host.address for host in hosts], [killer], caplog
+        )
+    finally:
+        stop_meshes()
+        for host in hosts:
+            host.stop()
+
+    refused = [record.getMessage() for record in caplog.records if "accepts a connection again" in record.getMessage()]
+    assert len(refused) == 1 and hosts[1].address in refused[0] and "serve it at a new address" in refused[0]
+    assert strategy.world_changes == 1 and len(changes) == 1
+    _assert_same_run(ours, reference, tmp_path)
+
+
 def test_a_lost_host_that_serves_again_rejoins_at_the_next_epoch_as_ddp_resumed_on_more_would(
     tmp_path: Path, caplog: Any
 ) -> None:
