@@ -104,6 +104,22 @@ def test_a_rank_past_the_memory_it_may_use_is_reported_with_the_fix() -> None:
     assert json.loads(json.dumps(report.as_dict()))["projection"]["epochs"] == 3
 
 
+class TransientPeak(Classifier):
+    """Fills a 256 MiB scratch tensor in every ``training_step`` and frees it before the step ends."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        torch.ones(64 * 2**20).sum()  # 64 Mi float32: 256 MiB, freed at once
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_peak_counts_memory_freed_within_a_step() -> None:
+    L.seed_everything(SEED)
+    plain = rehearse(_trainer(), Classifier())
+    peaked = rehearse(_trainer(), TransientPeak())
+    for calm, busy in zip(plain.ranks, peaked.ranks, strict=True):
+        assert busy.memory_peak_mib > calm.memory_peak_mib + 200  # not seen at a batch's end
+
+
 class FailsOnRank1(Classifier):
     """Raises in ``training_step`` on rank 1's second batch."""
 

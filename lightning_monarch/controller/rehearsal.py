@@ -56,7 +56,7 @@ class RankRehearsal:
     """What one rank showed in the rehearsal, in MiB and milliseconds."""
 
     rank: int
-    #: Its peak: torch's allocator peak on a GPU; on a CPU its largest resident size at a batch end.
+    #: Its peak since the training started: torch's allocator peak on a GPU; on a CPU its peak resident size.
     memory_peak_mib: float
     #: After the first optimizer step, when the optimizer's state exists.
     memory_after_first_step_mib: Optional[float]

@@ -110,9 +110,10 @@ class RehearsalRecorder(Callback):
     callbacks: the interval between its training batch starts (the whole batch, data, forward,
     backward, all-reduce and optimizer step included: under DDP the ranks start each batch in
     step), its validation batch times, its memory after its first optimizer step, and its peak
-    memory: torch's allocator peak on a GPU, the largest resident size at a batch end on a CPU,
-    against its device's memory, or on a CPU its part of the host's (shared by the host's workers).
-    Read with the rank's stats (:meth:`RankStatsReader.read`)."""
+    memory since the training started: torch's allocator peak on a GPU, the process's peak resident
+    size on a CPU (Linux's, reset at the start; elsewhere the largest at a batch end), against its
+    device's memory, or on a CPU its part of the host's (shared by the host's workers). Read with
+    the rank's stats (:meth:`RankStatsReader.read`)."""
 
     def __init__(self) -> None:
         self._gpu = False
@@ -132,6 +133,8 @@ class RehearsalRecorder(Callback):
         self._gpu = trainer.strategy.root_device.type == "cuda"
         if self._gpu:
             torch.cuda.reset_peak_memory_stats()
+        else:
+            _reset_peak_rss()
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -172,11 +175,32 @@ class RehearsalRecorder(Callback):
                 torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / _MIB
             )
         else:
-            values["memory_peak_mib"] = max(self._peak, self._memory_mib())
+            values["memory_peak_mib"] = max(self._peak, self._memory_mib(), _peak_rss_mib())
             # the workers of a host share its memory: each rank's part of it
             workers_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             values["memory_total_mib"] = psutil.virtual_memory().total / _MIB / workers_here
         return values
+
+
+def _reset_peak_rss() -> None:
+    """Start this process's peak resident size (``VmHWM``) anew, where Linux lets it (4.0 and later)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+    except OSError:  # not Linux, or not allowed: the largest size at a batch end stands in
+        pass
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident size (``VmHWM``) in MiB; 0 where Linux does not give it."""
+    try:
+        with open("/proc/self/status") as file:
+            for line in file:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
 
 
 class GpuSensors:
