@@ -675,13 +675,9 @@ class WorkerFailure:
     memory_mib: Optional[float] = None
 
     @classmethod
-    def capture(cls, error: BaseException, rank: int, hook: Optional[str]) -> WorkerFailure:
-        """Describe ``error``, raised on this host at rank ``rank`` in ``hook``, with its traceback
-        and the memory in use."""
-        import psutil
-        import torch
-
-        in_use = torch.cuda.memory_allocated() if torch.cuda.is_initialized() else psutil.Process().memory_info().rss
+    def capture(cls, error: BaseException, rank: int, hook: Optional[str], memory_mib: float) -> WorkerFailure:
+        """Describe ``error``, raised on this host at rank ``rank`` in ``hook`` with ``memory_mib`` in
+        use (``worker.stats.memory_in_use_mib``), with its traceback."""
         return cls(
             rank=rank,
             host=socket.gethostname(),
@@ -689,7 +685,7 @@ class WorkerFailure:
             exception_type=type(error).__name__,
             message=str(error),
             traceback="".join(traceback.format_exception(error)),
-            memory_mib=in_use / 2**20,
+            memory_mib=memory_mib,
         )
 
 

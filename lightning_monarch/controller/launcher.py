@@ -165,8 +165,8 @@ class MonarchLauncher(lightning_compat.Launcher):
     ) -> tuple[StageSession, Any]:
         """Run Lightning's ``function`` with the controller's loop following the workers of
         ``mesh``, which run ``spec``; the session it ran and the function's result. A change of an
-        elastic ``fit``'s world (``HostsLostError``, ``HostsReturned``) leaves the mesh as it was
-        then, for the launcher to change it and run the stage again."""
+        elastic ``fit``'s world (``HostsLostError``, ``HostsReturned``, ``PreemptionNoticed``)
+        leaves the mesh as it was then, for the launcher to change it and run the stage again."""
         strategy = self._strategy
         stage = spec.fn
         loader_args = _LOADER_STAGES[stage]

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -236,15 +236,14 @@ class _Probe(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.stats = trainer.strategy.read_worker_stats()  # type: ignore[attr-defined]
         lengths = lightning_compat.combined_loader_lengths(trainer)
-        train = [length for length in lengths.get("train") or [] if length is not None]
-        val = [length for length in lengths.get("val") or [] if length is not None]
-        if len(train) < len(lengths.get("train") or []) or len(val) < len(lengths.get("val") or []):
+        train, val = lengths.get("train") or [], lengths.get("val") or []
+        if None in train or None in val:
             raise ValueError(
                 "`lightning_monarch.rehearse(...)`: a dataloader of this run has no length (an IterableDataset),"
                 " so an epoch's time cannot be projected. Give it a `__len__`, or rehearse with one that has."
             )
         # Lightning cycles train loaders to the longest by default, and runs validation loaders one after another
-        self.lengths = (max(train, default=0), sum(val))
+        self.lengths = (max(cast(list[int], train), default=0), sum(cast(list[int], val)))
 
 
 def _size(path: str) -> int:

@@ -42,7 +42,7 @@ from lightning_monarch.worker.preflight import inspect_worker
 from lightning_monarch.worker.process import LOCAL_DIMENSION, leave_process_group, torch_elastic_env
 from lightning_monarch.worker.sharding import full_state_dict, is_sharded
 from lightning_monarch.worker.stage import build_stage
-from lightning_monarch.worker.stats import RankStatsReader
+from lightning_monarch.worker.stats import RankStatsReader, memory_in_use_mib
 
 
 class MonarchWorker(Actor):
@@ -255,4 +255,4 @@ class MonarchWorker(Actor):
             return self._failure(error, what)
 
     def _failure(self, error: BaseException, hook: Optional[str]) -> WorkerFailure:
-        return WorkerFailure.capture(error, self._rank, hook)
+        return WorkerFailure.capture(error, self._rank, hook, memory_in_use_mib())

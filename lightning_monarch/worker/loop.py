@@ -46,6 +46,7 @@ from lightning_monarch.worker.entries import EntryRecorder
 from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.notices import any_host_noticed
 from lightning_monarch.worker.state import RankState
+from lightning_monarch.worker.stats import memory_in_use_mib
 
 #: How long rank 0 holds its entries for more once the controller asks for them, while its batches
 #: start less than this apart and the controller does not need them at once (``StageLoop.fetch``):
@@ -407,14 +408,19 @@ class StageLoop:
             end = self._recorder.end()
         except BaseException as error:
             self._free_running = True
-            end = Entry(None, failure=WorkerFailure.capture(error, self._rank, self._failed_gate or self._gate))
+            end = Entry(
+                None,
+                failure=WorkerFailure.capture(error, self._rank, self._failed_gate or self._gate, memory_in_use_mib()),
+            )
         else:
             if any(isinstance(item, Release) for item in self._inbox):
                 divergence = DivergenceError(
                     f"Worker rank {self._rank} finished the stage while the controller still had it parked at a"
                     " sync gate: the two Lightning loops diverged."
                 )
-                end = Entry(None, failure=WorkerFailure.capture(divergence, self._rank, self._gate))
+                end = Entry(
+                    None, failure=WorkerFailure.capture(divergence, self._rank, self._gate, memory_in_use_mib())
+                )
         if self._rank == 0:
             end = dataclasses.replace(end, warnings=HELD.take())
         with self._cond:

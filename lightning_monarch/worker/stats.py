@@ -105,6 +105,14 @@ class StepTimer(Callback):
         return sum(self._clock.elapsed_ms(start, end) for start, end in spans) / len(spans)
 
 
+def memory_in_use_mib() -> float:
+    """The memory this worker uses now: its GPU's allocated memory once it uses one, else its
+    process's resident size."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.memory_allocated() / _MIB
+    return psutil.Process().memory_info().rss / _MIB
+
+
 class RehearsalRecorder(Callback):
     """Runs in each worker during a rehearsal (``controller.rehearsal``), the last of the rank's
     callbacks: the interval between its training batch starts (the whole batch, data, forward,
@@ -123,11 +131,6 @@ class RehearsalRecorder(Callback):
         self._after_first_step: Optional[float] = None
         self._peak = 0.0
 
-    def _memory_mib(self) -> float:
-        if self._gpu:
-            return torch.cuda.memory_allocated() / _MIB
-        return psutil.Process().memory_info().rss / _MIB
-
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._gpu = trainer.strategy.root_device.type == "cuda"
@@ -142,7 +145,7 @@ class RehearsalRecorder(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        memory = self._memory_mib()
+        memory = memory_in_use_mib()
         self._peak = max(self._peak, memory)
         if self._after_first_step is None and lightning_compat.stepped_this_batch(trainer):
             self._after_first_step = memory
@@ -175,7 +178,7 @@ class RehearsalRecorder(Callback):
                 torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / _MIB
             )
         else:
-            values["memory_peak_mib"] = max(self._peak, self._memory_mib(), _peak_rss_mib())
+            values["memory_peak_mib"] = max(self._peak, memory_in_use_mib(), _peak_rss_mib())
             # the workers of a host share its memory: each rank's part of it
             workers_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             values["memory_total_mib"] = psutil.virtual_memory().total / _MIB / workers_here
