@@ -1,10 +1,10 @@
-"""How rank 0's entries and every rank's predictions travel to the controller, and the stage's
-payload to the workers: one pickle per message, each CPU tensor as a view of its storage's raw bytes.
+"""How rank 0's entries and every rank's predictions travel to the controller, and a stage's objects
+to the workers: one pickle per message, each CPU tensor as a view of its storage's raw bytes.
 
 Shared by both sides: the workers encode entries and predictions (``worker.loop``,
-``worker.actor``) and decode the payload (``worker.stage``); the controller decodes the former
-(``controller.mesh``) and pickles the payload with cloudpickle and :class:`TensorPickling`
-(``controller.payload``).
+``worker.actor``) and open the stage's parcels (``worker.stage``); the controller decodes the
+former (``controller.mesh``) and packs the stage's objects with cloudpickle and
+:class:`TensorPickling` (``controller.payload``).
 
 ``torch.save`` does the same job, but it writes a zip archive and pickles each storage through a
 nested legacy ``torch.save``: about 0.15 ms per message and per tensor on each side (most of what
@@ -12,30 +12,151 @@ a fetch of a few logged scalars cost the controller), and half this module's spe
 module's weights. This keeps what ``torch.save`` keeps (dtype, shape, strides, storage offset,
 and storages shared between tensors, as a state dict's tied weights share theirs) and hands any
 other tensor (on a device, sparse, quantized, requiring grad, subclassed) to torch's own pickling.
+
+A :class:`Parcel` is a pickle whose large storages (and large ``bytes``) are left out of it, out of
+band (pickle protocol 5), each named by a :class:`StorageKey`: the hash of its bytes and its size.
+Every worker gets the pickle; the storages travel apart, at most once from the controller, and not
+at all where the workers already hold storages with those keys (``worker.storages``).
 """
 
 from __future__ import annotations
 
 import copyreg
+import ctypes
 import io
+import os
 import pickle
 from collections import ChainMap
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 import torch
+import xxhash
+
+#: Storages (and ``bytes``) of at least this many bytes travel out of band in a :class:`Parcel`;
+#: smaller ones cost less inside the pickle than as a key of their own.
+OUT_OF_BAND_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class StorageKey:
+    """What names a storage that travels out of band: the 128-bit xxHash (XXH3) of its bytes, and
+    their number. Two storages with the same key hold the same bytes: a change of one bit, of the
+    size or of the dtype's bytes makes another key."""
+
+    digest: bytes
+    nbytes: int
+
+
+#: Where a parcel's out-of-band bytes are on the side that packed it: a storage's bytes (a flat
+#: ``uint8`` tensor over it), or a ``bytes`` object.
+Source = Union[torch.Tensor, bytes]
+
+
+def storage_key(data: Union[Source, torch.UntypedStorage]) -> StorageKey:
+    """The key of a storage or a :data:`Source`: hashed at memory speed (about 20 GB/s on one core
+    of the development machine)."""
+    view = as_memoryview(data)
+    return StorageKey(xxhash.xxh3_128_digest(view), view.nbytes)
+
+
+def as_memoryview(data: Union[Source, torch.UntypedStorage]) -> memoryview:
+    """The bytes of ``data`` (a CPU storage, a :data:`Source`) without a copy, valid while ``data``
+    lives. Not through NumPy: ``Tensor.numpy()`` makes the storage unresizable for good, and FSDP2
+    frees the storages of the parameters it gathers by resizing them."""
+    if isinstance(data, bytes):
+        return memoryview(data)
+    return memoryview(_raw(data)).cast("B")
+
+
+def _raw(data: Union[torch.Tensor, torch.UntypedStorage]) -> Any:
+    """A ``ctypes`` array over the bytes of a CPU storage, or of a flat ``uint8`` tensor over one."""
+    nbytes = data.nbytes() if isinstance(data, torch.UntypedStorage) else data.numel()
+    return (ctypes.c_ubyte * nbytes).from_address(data.data_ptr()) if nbytes else bytearray()
+
+
+@dataclass(frozen=True)
+class Parcel:
+    """Objects pickled with their large storages out of band: ``data`` is the pickle, ``keys`` name
+    the storages it leaves out, in the order :func:`open_parcel` takes them. Where it was packed,
+    ``sources`` are their bytes (views of the packed objects' memory, never pickled)."""
+
+    data: bytes
+    keys: tuple[StorageKey, ...] = ()
+    sources: tuple[Source, ...] = field(default=(), compare=False, repr=False)
+
+    def __reduce__(self) -> Any:
+        return Parcel, (self.data, self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        """The size of the pickle and of the storages it names."""
+        return len(self.data) + sum(key.nbytes for key in self.keys)
+
+    def with_copied_sources(self) -> Parcel:
+        """This parcel with copies of its sources, which no later write to the packed objects
+        changes (``bytes`` are copied by no one)."""
+        copies = tuple(source if isinstance(source, bytes) else source.clone() for source in self.sources)
+        return Parcel(self.data, self.keys, copies)
+
+
+@dataclass(frozen=True)
+class Shipment:
+    """How the storages of a stage's parcels that rank 0 does not hold travel from the controller,
+    once: as files in ``directory``, in the shared memory of the controller's host (a worker there
+    maps them), or, without one, in a message to rank 0 before the stage starts. What a rank
+    still lacks then comes from rank 0 over the workers' process group (``worker.storages``)."""
+
+    directory: Optional[str] = None
+
+    def path(self, key: StorageKey) -> Optional[str]:
+        """The file the storage ``key`` names is in, if the storages travel as files."""
+        return os.path.join(self.directory, f"{key.digest.hex()}-{key.nbytes}") if self.directory else None
 
 
 def encode(value: Any) -> bytes:
-    """``value`` pickled for :func:`decode`."""
+    """``value`` pickled for :func:`decode`, every storage inside the pickle."""
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=5).dump(value)
     return buffer.getvalue()
 
 
 def decode(data: bytes) -> Any:
-    """The value :func:`encode` (or a pickler with :class:`TensorPickling`) pickled; its tensors
-    share no memory with ``data``."""
+    """The value :func:`encode` pickled; its tensors share no memory with ``data``."""
     return _Unpickler(io.BytesIO(data)).load()
+
+
+def pack(
+    value: Any, pickler: Callable[..., pickle.Pickler] = lambda *args, **kwargs: _Pickler(*args, **kwargs)
+) -> Parcel:
+    """``value`` as a :class:`Parcel`, with the bytes of the storages it leaves out as its sources.
+    ``pickler`` makes the pickler (with :class:`TensorPickling`), given the file, the protocol
+    and the ``buffer_callback``."""
+    sources: list[Source] = []
+    instance: Any = None
+
+    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+        source = instance.buffer_sources[id(buffer)]
+        if buffer.raw().nbytes < OUT_OF_BAND_BYTES:
+            return True  # inside the pickle
+        sources.append(source)
+        return False
+
+    file = io.BytesIO()
+    instance = pickler(file, protocol=5, buffer_callback=out_of_band)
+    instance.bytes_out_of_band = True
+    instance.dump(value)
+    # the memo holds the storages' buffers: let them go now, not when the garbage collector breaks
+    # the pickler's cycles, which would find the memoryviews under those buffers still exported
+    instance.clear_memo()
+    return Parcel(file.getvalue(), tuple(storage_key(source) for source in sources), tuple(sources))
+
+
+def open_parcel(parcel: Parcel, storages: Sequence[torch.UntypedStorage]) -> Any:
+    """The value packed in ``parcel``, with ``storages`` (one per key, in order) as its out-of-band
+    storages: its tensors are views of them."""
+    return _Unpickler(io.BytesIO(parcel.data), storages).load()
 
 
 def _tensor(
@@ -68,7 +189,11 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
 class TensorPickling:
     """Mixed into a pickler (``pickle``'s, or cloudpickle's for the stage's payload): each plain
     tensor travels as its storage (raw bytes, once per storage) and its view of it, for
-    :func:`decode`."""
+    :func:`decode` or :func:`open_parcel`. In :func:`pack`, large ``bytes`` travel as buffers too."""
+
+    #: Set by :func:`pack`: ``bytes`` of :data:`OUT_OF_BAND_BYTES` and more become buffers, which
+    #: the pickler's ``buffer_callback`` leaves out of band.
+    bytes_out_of_band = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # read by the pickler's own __init__
@@ -77,8 +202,12 @@ class TensorPickling:
         )
         super().__init__(*args, **kwargs)
         self._storages: dict[tuple[int, int], int] = {}
+        #: The source of every buffer this pickler made, by the buffer's ``id`` (for :func:`pack`).
+        self.buffer_sources: dict[int, Source] = {}
 
     def persistent_id(self, obj: Any) -> Any:
+        if self.bytes_out_of_band and type(obj) is bytes and len(obj) >= OUT_OF_BAND_BYTES:
+            return ("bytes", self._buffer(obj, obj))
         if type(obj) is not torch.UntypedStorage or obj.device.type != "cpu":
             return None
         key = (obj.data_ptr(), obj.nbytes())
@@ -86,7 +215,13 @@ class TensorPickling:
             return self._storages[key]
         if obj.nbytes():
             self._storages[key] = len(self._storages)
-        return pickle.PickleBuffer(torch.empty(0, dtype=torch.uint8).set_(obj).numpy().data)
+        flat = torch.empty(0, dtype=torch.uint8).set_(obj)
+        return self._buffer(_raw(flat), flat)
+
+    def _buffer(self, data: Any, source: Source) -> pickle.PickleBuffer:
+        buffer = pickle.PickleBuffer(data)
+        self.buffer_sources[id(buffer)] = source
+        return buffer
 
 
 class _Pickler(TensorPickling, pickle.Pickler):
@@ -94,17 +229,27 @@ class _Pickler(TensorPickling, pickle.Pickler):
 
 
 class _Unpickler(pickle.Unpickler):
-    """Rebuilds each storage from its bytes the first time, and shares it the times after."""
+    """Rebuilds each storage from its bytes (or takes it out of band) the first time, and shares it
+    the times after."""
 
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file)
+    def __init__(self, file: io.BytesIO, out_of_band: Sequence[torch.UntypedStorage] = ()) -> None:
+        # pickle takes each out-of-band buffer as an object with the buffer protocol (a
+        # ``bytes`` one through ``memoryview``): a view of the storage, mapped back to it here
+        arrays = [_raw(storage) for storage in out_of_band]
+        super().__init__(file, buffers=arrays)
+        self._out_of_band = {id(array): storage for array, storage in zip(arrays, out_of_band, strict=True)}
         self._storages: list[torch.UntypedStorage] = []
 
-    def persistent_load(self, pid: Any) -> torch.UntypedStorage:
+    def persistent_load(self, pid: Any) -> Any:
         if isinstance(pid, int):
             return self._storages[pid]
-        if not len(pid):
+        if isinstance(pid, tuple):  # ("bytes", its buffer)
+            return bytes(pid[1])
+        if id(pid) in self._out_of_band:
+            storage = self._out_of_band[id(pid)]
+        elif not len(pid):
             return torch.UntypedStorage(0)
-        storage = torch.frombuffer(pid, dtype=torch.uint8).untyped_storage()
+        else:
+            storage = torch.frombuffer(pid, dtype=torch.uint8).untyped_storage()
         self._storages.append(storage)
         return storage

@@ -33,6 +33,7 @@ from lightning_monarch.controller.checkpoints import (
     is_sharded_checkpoint,
     prepare_directory,
 )
+from lightning_monarch.controller.pool import MESHES
 from lightning_monarch.controller.session import StageSession
 from lightning_monarch.protocol import ShardingSpec
 from lightning_monarch.strategy import MonarchStrategy
@@ -153,13 +154,20 @@ class MonarchFSDPStrategy(MonarchStrategy):
     def _sharding_for_stage(self, module: LightningModule, ckpt_path: Any) -> Optional[ShardingSpec]:
         """Runs on the controller, before any worker starts: how the workers shard ``module`` for
         ``trainer.<stage>(...)``, once the stage is known to be able to run sharded."""
-        if _on_meta_device(module):
-            raise MisconfigurationException(
-                f"`{type(module).__name__}` has parameters on the meta device: after `fit` under"
-                " `MonarchFSDPStrategy` its trained weights stay sharded on the workers and the controller's module"
-                " is emptied. Running another stage on it is not supported yet. Load the weights first:"
-                " `model.to_empty(device='cpu'); model.load_state_dict(trainer.strategy.gather_full_state_dict())`."
-            )
+        from_shards = _on_meta_device(module)
+        if from_shards:
+            idle = MESHES.idle(self._mesh_key())
+            if idle is None or idle.kept_shards is None or not idle.kept_shards.stand_for(module):
+                raise MisconfigurationException(
+                    f"`{type(module).__name__}` has parameters on the meta device, and no warm worker mesh keeps its"
+                    " trained shards: after `fit` under `MonarchFSDPStrategy` the trained weights stay sharded on the"
+                    " workers (the controller's module is emptied), and the next stage on the same module runs from"
+                    " them while the warm mesh keeps them and the module keeps its parameters and buffers. Here the"
+                    " mesh was stopped (`keep_warm=False`, `lightning_monarch.stop_meshes()`, a failure, a stage"
+                    " with other devices or another module in between), or the module's tensors were replaced."
+                    " Load the weights first: `model.to_empty(device='cpu');"
+                    " model.load_state_dict(trainer.strategy.gather_full_state_dict())` before the mesh stops."
+                )
         builds_submodules = is_overridden("configure_model", module, LightningModule)
         if isinstance(ckpt_path, (str, os.PathLike)) and os.path.exists(ckpt_path):
             _require_sharded_checkpoint(ckpt_path)
@@ -178,6 +186,7 @@ class MonarchFSDPStrategy(MonarchStrategy):
             mixed_precision=self.mixed_precision,
             activation_checkpointing=self.activation_checkpointing_policy,
             cpu_offload=self.cpu_offload,
+            from_shards=from_shards,
         )
         if (
             self.fsdp_policy

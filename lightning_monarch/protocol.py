@@ -53,6 +53,7 @@ from typing import Any, Optional, Union
 from typing_extensions import override
 
 from lightning_monarch._compat.torch import tree_map
+from lightning_monarch.codec import Parcel, Shipment, StorageKey
 
 #: Hooks that both a ``LightningModule`` and a ``Callback`` have (the callback's take the Trainer
 #: and the module first).
@@ -283,6 +284,9 @@ class ShardingSpec:
     activation_checkpointing: tuple[type, ...] = ()
     #: Keep the sharded parameters (and so their gradients and optimizer state) on the CPU.
     cpu_offload: bool = False
+    #: The module's weights are the shards the workers kept from its last sharded stage (the
+    #: controller's module is on the meta device): once sharded, each rank loads its own.
+    from_shards: bool = False
 
     def no_match_warning(self) -> str:
         """The warning for a policy that names no class of the module's submodules."""
@@ -361,11 +365,12 @@ class ResumePoint:
     without gates up to :data:`SNAPSHOT_GATE`, where each rank takes back its random states and
     module attributes from ``ranks``; from there the controller replays its journal.
 
-    ``checkpoint`` is rank 0's Lightning checkpoint (``torch.save`` bytes) under ``ddp``, and under
-    ``MonarchFSDPStrategy`` the path of the sharded checkpoint directory that every rank wrote its
-    shards into (``controller.checkpoints.SnapshotDirectory``)."""
+    ``checkpoint`` is rank 0's Lightning checkpoint (``torch.save`` bytes, packed as a ``Parcel``
+    whose bytes travel once) under ``ddp``, and under ``MonarchFSDPStrategy`` the path of the sharded
+    checkpoint directory that every rank wrote its shards into
+    (``controller.checkpoints.SnapshotDirectory``)."""
 
-    checkpoint: Union[bytes, str]
+    checkpoint: Union[Parcel, str]
     ranks: tuple[RankSnapshot, ...]
 
 
@@ -375,14 +380,15 @@ class StageSpec:
 
     ``fit_loop_state`` is the controller's ``trainer.fit_loop.state_dict()``: a Trainer that ran
     ``fit`` before carries its epoch and step into later stages, and so must each worker's.
-    ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks)``, its
-    tensors as ``codec`` sends them; it is pickled once on the controller (where a failure is
-    reported before any worker starts) and sent as raw bytes, which Monarch moves faster than
-    pickled tensors.
+    ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks)``, a
+    ``codec.Parcel``: it is pickled once on the controller (where a failure is reported before any
+    worker starts), and every worker gets its pickle, while its large storages (the weights) leave
+    the controller at most once, as ``shipment`` says, and not at all where the workers hold them
+    (``worker.storages``).
     """
 
     fn: str
-    payload: bytes
+    payload: Parcel
     ckpt_path: Optional[str]
     fit_loop_state: dict[str, Any]
     trainer: TrainerConfig
@@ -397,10 +403,18 @@ class StageSpec:
     #: A rehearsal (``controller.rehearsal``): every rank records its batch times and memory
     #: (``worker.stats.RehearsalRecorder``), read with its stats.
     rehearsal: bool = False
-    #: A checkpoint file's bytes that travel with the stage, for workers on hosts that may not
-    #: reach the controller's disk: the workers resume from it instead of ``ckpt_path`` (an
-    #: elastic ``fit`` going on from its resume point in a smaller world, ``controller.elastic``).
-    checkpoint: Optional[bytes] = None
+    #: A checkpoint file's bytes that travel with the stage (a ``Parcel``, as the payload's
+    #: storages do), for workers on hosts that may not reach the controller's disk: the workers
+    #: resume from it instead of ``ckpt_path`` (an elastic ``fit`` going on from its resume point in
+    #: a smaller world, ``controller.elastic``).
+    checkpoint: Optional[Parcel] = None
+    #: How the storages of its parcels that rank 0 does not hold travel (set as it is sent).
+    shipment: Shipment = Shipment()
+
+    def parcels(self) -> list[Parcel]:
+        """The parcels the stage opens: the payload, and a checkpoint's bytes where one travels."""
+        resumed = self.resume.checkpoint if self.resume is not None else None
+        return [parcel for parcel in (self.payload, self.checkpoint, resumed) if isinstance(parcel, Parcel)]
 
 
 @dataclass(frozen=True)
@@ -589,6 +603,9 @@ class Entry:
     #: carries rank 0's final metric views in :attr:`views` and, after an unsharded ``fit``, its
     #: final checkpoint state in :attr:`checkpoint`, so that the controller asks for none of them.
     attributes: Optional[bytes] = None
+    #: The end of a stage that ran to its end: the keys of the storages rank 0 holds for the next
+    #: stage (``worker.storages``), whose bytes the next stage's payload need not carry.
+    held: tuple[StorageKey, ...] = ()
     failure: Optional[WorkerFailure] = None
 
 

@@ -109,7 +109,13 @@ class MonarchStrategy(ParallelStrategy):
         keep_warm: keep the worker processes after a stage that ended cleanly, for the next
             ``fit``/``validate``/``test``/``predict`` with the same devices and backend, in this
             Trainer or another (``lightning_monarch.stop_meshes()`` or interpreter exit stops
-            them). ``False`` starts and stops a mesh for every stage.
+            them). ``False`` starts and stops a mesh for every stage. A warm mesh also keeps the
+            weights: a stage sends none that the workers hold from the last one.
+        shared_memory: the weights that the workers lack leave this process once, as files in this
+            host's shared memory (``/dev/shm``) that the workers here map without a copy, where rank
+            0 runs on this host and there is room. ``False`` sends them in one message to rank 0
+            instead, which broadcasts them to the others over the workers' process group (as it
+            does for workers on other hosts).
         rehearse: before each ``fit``, rehearse it on the workers (``lightning_monarch.rehearse``):
             a few real steps, one validation batch and one checkpoint, then print the report (memory
             per rank, step time, the run's projected time, warnings with their fixes) and keep it in
@@ -140,6 +146,7 @@ class MonarchStrategy(ParallelStrategy):
         step_timeout: Optional[float] = None,
         max_ahead: Optional[int] = DEFAULT_MAX_AHEAD,
         keep_warm: bool = True,
+        shared_memory: bool = True,
         rehearse: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
@@ -185,6 +192,7 @@ class MonarchStrategy(ParallelStrategy):
             none="for no limit",
         )
         self.keep_warm = arguments.flag(owner, "keep_warm", keep_warm)
+        self.shared_memory = arguments.flag(owner, "shared_memory", shared_memory)
         self.rehearse = arguments.flag(owner, "rehearse", rehearse)
         #: The report of the last rehearsal (``rehearse=True``), ``None`` before one.
         self.rehearsal: Optional[RehearsalReport] = None
@@ -192,6 +200,10 @@ class MonarchStrategy(ParallelStrategy):
         self._rehearsing = False
         #: How many times this strategy's stages replaced their worker processes after a failure.
         self.restarts = 0
+        #: The bytes this process sent the workers in the last stage's messages, by endpoint (each
+        #: message's pickled size once per rank it went to; weights in shared memory once, under
+        #: ``"shared memory"``).
+        self.sent_bytes: dict[str, int] = {}
         #: How many times an elastic ``fit`` of this strategy went on in a smaller world (``min_nodes``).
         self.world_changes = 0
         self._host_mesh: Optional[Any] = None
@@ -266,6 +278,7 @@ class MonarchStrategy(ParallelStrategy):
             "step_timeout": self.step_timeout,
             "max_ahead": self.max_ahead,
             "keep_warm": self.keep_warm,
+            "shared_memory": self.shared_memory,
             "rehearse": self.rehearse,
             **self.ddp_kwargs,
         }

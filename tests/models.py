@@ -214,3 +214,51 @@ class DataModuleClassifier(Classifier):
 
     train_dataloader = None  # type: ignore[assignment]
     val_dataloader = None  # type: ignore[assignment]
+
+
+class WeightRecorder(L.LightningModule):
+    """A regressor whose every rank saves the weights it starts a validation with into
+    ``record_dir`` (``rank<N>.pt``), then writes into one of two buffers that hold the same bytes
+    and saves both (``twins<N>.pt``). Its batch-norm statistics differ from rank to rank after
+    training, as under ``ddp``."""
+
+    def __init__(self, record_dir: str, width: int = 64) -> None:
+        super().__init__()
+        self.record_dir = record_dir
+        self.layer = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.register_buffer("twin_a", torch.zeros(512))
+        self.register_buffer("twin_b", torch.zeros(512))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.layer(x.to(self.layer.weight.dtype)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).pow(2).mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self(batch[0]).pow(2).mean(), sync_dist=True)
+
+    def on_validation_start(self) -> None:
+        directory = Path(self.record_dir)
+        torch.save(
+            {name: tensor.clone() for name, tensor in self.state_dict().items()},
+            directory / f"rank{self.global_rank}.pt",
+        )
+        self.twin_a.add_(1)
+        torch.save({"a": self.twin_a.clone(), "b": self.twin_b.clone()}, directory / f"twins{self.global_rank}.pt")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def _loader(self) -> DataLoader:
+        width = self.layer.in_features
+        return DataLoader(
+            TensorDataset(torch.randn(16, width, generator=torch.Generator().manual_seed(0))), batch_size=4
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader()

@@ -20,7 +20,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import lightning as L
 import psutil
 import pytest
@@ -30,8 +29,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.actor import Actor, attach_to_workers, endpoint
 from monarch.job import ProcessJob
 
+from lightning_monarch.codec import pack
 from lightning_monarch.controller.hosts import HOSTS_MESH
-from lightning_monarch.controller.mesh import Message, WorkerMesh, failed_rank
+from lightning_monarch.controller.mesh import WorkerMesh, failed_rank
 from lightning_monarch.devices import pin
 from lightning_monarch.protocol import PreflightSpec, RunAhead, StageSpec, TrainerConfig, versions
 from tests.models import Classifier
@@ -207,7 +207,7 @@ def test_two_gpu_workers_get_past_stage_start() -> None:
     ``devices=2`` while it sees one GPU, in the environment its process really starts with."""
     spec = StageSpec(
         fn="fit",
-        payload=cloudpickle.dumps((Classifier(), None, {}, [OneVisibleGPU()])),
+        payload=pack((Classifier(), None, {}, [OneVisibleGPU()])),
         ckpt_path=None,
         fit_loop_state=L.Trainer(logger=False).fit_loop.state_dict(),
         trainer=TrainerConfig(
@@ -226,7 +226,7 @@ def test_two_gpu_workers_get_past_stage_start() -> None:
     )
     mesh = WorkerMesh.spawn(2, gpu_indices=(0, 1))
     try:
-        mesh.deliver(Message("start_stage", (spec,)))  # a worker's failure to build its Trainer raises here
+        mesh.start_stage(spec)  # a worker's failure to build its Trainer raises here
     finally:
         mesh.stop()
 

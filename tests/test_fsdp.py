@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_monarch
 from lightning_monarch import MonarchFSDPStrategy, MonarchStrategy
 from tests.conftest import run_ddp_reference
 from tests.memory import PeakRss
@@ -75,8 +76,8 @@ class GatherAtFitEnd(L.Callback):
 
 def test_controller_never_holds_the_trained_weights() -> None:
     """After ``fit`` the controller's module is on the meta device; the full weights come only
-    through ``gather_full_state_dict()``, during the stage or after it from the warm mesh; the
-    module cannot run another stage."""
+    through ``gather_full_state_dict()``, during the stage or after it from the warm mesh; once the
+    mesh is stopped, the module cannot run another stage."""
     L.seed_everything(SEED)
     model = TokenTransformer()
     initial = {name: value.clone() for name, value in model.state_dict().items()}
@@ -93,6 +94,7 @@ def test_controller_never_holds_the_trained_weights() -> None:
         torch.testing.assert_close(value, gather.state[name], rtol=0, atol=0, msg=name)
     assert not torch.equal(after["encoder.layers.0.linear1.weight"], initial["encoder.layers.0.linear1.weight"])
 
+    lightning_monarch.stop_meshes()  # the shards go with the workers
     with pytest.raises(MisconfigurationException, match="parameters on the meta device.*gather_full_state_dict"):
         trainer.validate(model)
     model.to_empty(device="cpu")

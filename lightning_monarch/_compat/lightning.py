@@ -18,6 +18,7 @@ import torch
 from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.connectors import callback_connector
@@ -32,6 +33,8 @@ __all__ = [
     "LR_SCHEDULER_TYPES",
     "Launcher",
     "LoggerConnector",
+    "batch_loops",
+    "batches_in",
     "carry_fit_progress",
     "checkpoint_every_n_epochs",
     "checkpoint_schedule",
@@ -54,15 +57,25 @@ __all__ = [
     "set_lightning_module",
     "set_precision_plugin",
     "set_rng_states",
+    "skip_batches",
     "stage_of",
     "stepped_this_batch",
     "stored_metrics",
     "trainer_flags",
     "without_external_callbacks",
+    "wrap_batch_step",
 ]
 
 #: The Lightning release this door was last checked against.
 CHECKED_WITH = "lightning 2.6.6"
+#: The private attributes of a validation loop (in ``fit``, and ``trainer.validate``'s) this module uses.
+_VALIDATION_LOOP_NAMES = (
+    "_combined_loader",
+    "_data_fetcher",
+    "_evaluation_step",
+    "_has_run",
+    "_seen_batches_per_dataloader",
+)
 #: Every private attribute this module reads or writes, by where it is found, starting from a
 #: Trainer (``trainer.fit_loop``, ...) or a ``ModelCheckpoint``: ``tests/test_compat.py`` checks
 #: that each one still exists. The private classes and functions imported above fail at import.
@@ -88,10 +101,10 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
         "_combined_loader",
         "_data_fetcher",
     ),
-    "trainer.fit_loop.epoch_loop.val_loop": ("_combined_loader", "_data_fetcher"),
-    "trainer.validate_loop": ("_combined_loader", "_data_fetcher"),
-    "trainer.test_loop": ("_combined_loader", "_data_fetcher"),
-    "trainer.predict_loop": ("_combined_loader", "_data_fetcher"),
+    "trainer.fit_loop.epoch_loop.val_loop": _VALIDATION_LOOP_NAMES,
+    "trainer.validate_loop": _VALIDATION_LOOP_NAMES,
+    "trainer.test_loop": ("_combined_loader", "_data_fetcher", "_evaluation_step"),
+    "trainer.predict_loop": ("_combined_loader", "_data_fetcher", "_predict_step"),
     "model_checkpoint": ("_every_n_train_steps", "_train_time_interval", "_every_n_epochs"),
     "trainer.fit_loop.epoch_loop": ("_should_accumulate",),
 }
@@ -285,6 +298,59 @@ def _loops_by_stage(trainer: Trainer) -> dict[str, Any]:
         "test": trainer.test_loop,
         "predict": trainer.predict_loop,
     }
+
+
+#: The batch step of each evaluation and prediction loop, by the name of its stage's hooks.
+_BATCH_STEPS = {"validation": "_evaluation_step", "test": "_evaluation_step", "predict": "_predict_step"}
+
+
+def batch_loops(trainer: Trainer) -> dict[str, list[Any]]:
+    """The evaluation and prediction loops, by the name of their hooks' stage (``on_<stage>_batch_end``)."""
+    return {
+        "validation": [trainer.validate_loop, trainer.fit_loop.epoch_loop.val_loop],
+        "test": [trainer.test_loop],
+        "predict": [trainer.predict_loop],
+    }
+
+
+def wrap_batch_step(
+    loop: Any, stage: str, wrap: Callable[[Callable[..., None]], Callable[..., None]]
+) -> Callable[[], None]:
+    """Replace ``loop``'s per-batch step (``_evaluation_step``, ``_predict_step``: called with
+    ``batch, batch_idx, dataloader_idx, dataloader_iter``) with ``wrap(step)``, on this loop only;
+    returns the undo."""
+    name = _BATCH_STEPS[stage]
+    vars(loop)[name] = wrap(getattr(loop, name))
+    return functools.partial(vars(loop).pop, name, None)
+
+
+def batches_in(loop: Any, dataloader_idx: int) -> Optional[int]:
+    """How many batches ``loop`` runs of its dataloader ``dataloader_idx`` in this pass (its
+    ``max_batches``, Lightning's limits applied), or ``None`` for a dataloader without a length or a
+    step that takes ``dataloader_iter``."""
+    if isinstance(loop._data_fetcher, _DataLoaderIterDataFetcher):
+        return None
+    counts = loop.max_batches
+    count = counts[dataloader_idx] if isinstance(counts, list) else counts
+    return int(count) if count != float("inf") else None
+
+
+def skip_batches(loop: Any, count: int, dataloader_idx: int, sanity_checking: bool) -> None:
+    """Advance ``loop`` over ``count`` batches without running their steps: its data fetcher and its
+    progress counters, as Lightning's own step would leave them (the controller took those batches'
+    entries in bulk)."""
+    fetcher = loop._data_fetcher
+    progress = loop.batch_progress
+    for _ in range(count):
+        next(fetcher)
+        progress.is_last_batch = fetcher.done
+        progress.increment_ready()
+        progress.increment_started()
+        progress.increment_processed()
+        progress.increment_completed()
+        if hasattr(loop, "_seen_batches_per_dataloader") and not sanity_checking:
+            loop._has_run = True
+            loop._seen_batches_per_dataloader[dataloader_idx] += 1
 
 
 def combined_loader_lengths(trainer: Trainer) -> dict[str, list[Optional[int]]]:

@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Any, Optional
 
+from lightning_monarch.codec import pack
 from lightning_monarch.controller.checkpoints import SnapshotDirectory
 from lightning_monarch.controller.mesh import Message, WorkerMesh, by_rank
 from lightning_monarch.errors import DivergenceError, HostsLostError, MeshFailureError, WorkerError, WorkerTimeoutError
@@ -36,15 +37,21 @@ class StageChannel:
         max_restarts: int = 0,
         snapshots: Optional[SnapshotDirectory] = None,
         lost_host_timeout: Optional[float] = None,
+        shared_memory: bool = True,
     ) -> None:
-        """With ``max_restarts`` > 0, a dead or hung worker is replaced up to that many times, from
+        """``shared_memory``: the stage's storages may travel through this host's shared memory
+        (``WorkerMesh.start_stage``). With ``max_restarts`` > 0, a dead or hung worker is replaced up to that many times, from
         the last snapshot: in this process's memory, or for a sharded module, in ``snapshots``,
         where every rank writes its shards. With ``lost_host_timeout`` (elastic training), a dead
         worker's host that does not serve a new process within that many seconds counts as lost:
         ``HostsLostError`` then names it, for the launcher to go on without it."""
         self.mesh = mesh
         self._lost_host_timeout = lost_host_timeout
-        self._spec = spec
+        self._shared_memory = shared_memory
+        # a recovery sends the stage's storages again, to new processes, after the controller's
+        # loop may have changed its module (Lightning loads ``ckpt_path`` into it): a copy of them
+        # as the stage began, a checkpoint's worth of memory here while it runs
+        self._spec = dataclasses.replace(spec, payload=spec.payload.with_copied_sources()) if max_restarts else spec
         #: How many times this stage replaced its worker processes.
         self.restarts = 0
         self._restarts_left = max_restarts
@@ -62,9 +69,14 @@ class StageChannel:
         self._ahead: list[Entry] = []
 
     def start(self) -> None:
-        """Build every rank's Trainer for the stage and start its loop (a failure raises). A
-        recovery starts its new workers' stage itself, so this is not journaled."""
-        self._send(Message("start_stage", (self._spec,)), journal=False)
+        """Build every rank's Trainer for the stage and start its loop (a failure raises), counting
+        what is sent to the workers from here (``WorkerMesh.sent``). A recovery starts its new
+        workers' stage itself, so this is not journaled."""
+        self.mesh.count_from_here()
+        try:
+            self.mesh.start_stage(self._spec, self._shared_memory)
+        except MeshFailureError as failure:
+            self._recover(failure)
 
     def fetch(self) -> list[Entry]:
         """Rank 0's next entries (R3), in bulk."""
@@ -113,7 +125,7 @@ class StageChannel:
         directory = self._snapshots.for_epoch(epoch) if self._snapshots is not None else None
         ranks = self.ask_every_rank("snapshot", directory, replay=False)
         resume = ResumePoint(
-            checkpoint=directory if directory is not None else ranks[0].checkpoint,
+            checkpoint=directory if directory is not None else pack(ranks[0].checkpoint),
             ranks=tuple(dataclasses.replace(snapshot, checkpoint=None) for snapshot in ranks),
         )
         self._spec = dataclasses.replace(self._spec, resume=resume)
@@ -154,7 +166,7 @@ class StageChannel:
             started = time.monotonic()
             try:
                 self.mesh.replace_processes()
-                self.mesh.deliver(Message("start_stage", (self._spec,)))
+                self.mesh.start_stage(self._spec, self._shared_memory)
                 self.mesh.grant(self._taken)
                 recorded: list[Entry] = []
                 position = 0

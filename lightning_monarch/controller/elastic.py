@@ -35,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from monarch.actor import HostMesh
 
 from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch.codec import pack
 from lightning_monarch.controller.hosts import host_mesh, reachable, worker_addresses
 from lightning_monarch.controller.mesh import WorkerMesh
 from lightning_monarch.errors import HostsLostError, UnreachableHostsError
@@ -240,7 +241,7 @@ class ElasticFit:
         spec = dataclasses.replace(spec, run_ahead=dataclasses.replace(spec.run_ahead, notices=notices))
         if self.resume_points.latest is None:
             return spec
-        return dataclasses.replace(spec, ckpt_path=None, checkpoint=self.resume_points.read())
+        return dataclasses.replace(spec, ckpt_path=None, checkpoint=pack(self.resume_points.read()))
 
     def _changed(self, what: str, detected_at: float) -> None:
         """The world changed: the Trainer's settings for it, the count, the log line, the loggers' metrics."""

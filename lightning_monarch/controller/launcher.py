@@ -177,6 +177,7 @@ class MonarchLauncher(lightning_compat.Launcher):
             strategy.max_restarts,
             snapshots,
             lost_host_timeout=strategy.connect_timeout if elastic is not None else None,
+            shared_memory=strategy.shared_memory,
         )
         try:
             channel.start()
@@ -206,6 +207,7 @@ class MonarchLauncher(lightning_compat.Launcher):
         finally:
             strategy._attach(None)
             strategy.restarts += channel.restarts
+            strategy.sent_bytes = dict(mesh.sent)
             if snapshots is not None:
                 snapshots.remove()
 

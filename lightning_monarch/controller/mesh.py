@@ -6,21 +6,28 @@ device and turns worker failures into :class:`~lightning_monarch.errors.WorkerEr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import pickle
 import re
+import shutil
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn, Optional
 
+import cloudpickle
 from monarch.actor import HostMesh, ProcMesh, this_host
 
 from lightning_monarch._compat.monarch import SupervisionError, failed_rank
-from lightning_monarch.codec import decode
+from lightning_monarch.codec import Shipment, StorageKey, decode
+from lightning_monarch.controller import storages
 from lightning_monarch.controller.hosts import host_count
 from lightning_monarch.controller.output import WorkerOutput
+from lightning_monarch.controller.storages import KeptShards
 from lightning_monarch.controller.watch import POLL_S, ProcessWatch
 from lightning_monarch.controller.world import WorkerWorld
 from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError
@@ -31,6 +38,7 @@ from lightning_monarch.protocol import (
     PreflightSpec,
     RankStatus,
     RankValue,
+    StageSpec,
     WorkerFailure,
     WorkerReport,
 )
@@ -116,6 +124,14 @@ class WorkerMesh:
         self.checked = False
         #: A worker's death that ended rank 0's entries, raised by the next fetch after them.
         self._death: Optional[MeshFailureError] = None
+        #: The keys of the storages rank 0 holds from the last stage that ran to its end.
+        self.held: frozenset[StorageKey] = frozenset()
+        #: The module on the meta device whose trained weights are the shards the workers kept from
+        #: the last stage (``MonarchFSDPStrategy``), with its parameters and buffers as they were then.
+        self.kept_shards: Optional[KeptShards] = None
+        #: The bytes this process sent the workers since :meth:`count_from_here`, by endpoint (a
+        #: message's pickled size once per rank it goes to; storages in shared memory once).
+        self.sent: Counter[str] = Counter()
 
     @classmethod
     def spawn(
@@ -167,6 +183,7 @@ class WorkerMesh:
         self.num_workers = self._world.num_workers
         self._watch = ProcessWatch([])  # nothing to watch until the workers said who they are
         self._watch = ProcessWatch(self._gather(self._workers.process_id.stream()))
+        self.held, self.kept_shards = frozenset(), None  # new processes, or rank 0 may be another
         #: Each rank's process ID, in rank order.
         self.pids = [self._watch.pids[rank] for rank in range(self.num_workers)]
 
@@ -188,14 +205,50 @@ class WorkerMesh:
             return False
         return True
 
+    def start_stage(self, spec: StageSpec, shared_memory: bool = True) -> None:
+        """Start ``spec`` on every rank, the storages of its parcels that rank 0 does not hold
+        sent once (``controller.storages``): as files in this host's shared memory where rank 0
+        runs here and ``shared_memory`` allows, else in one message to rank 0. Until the stage
+        ends cleanly, rank 0 counts as holding nothing."""
+        lacking = storages.lacking(spec.parcels(), self.held)
+        self.held, self.kept_shards = frozenset(), None
+        directory = (
+            storages.staging_directory(lacking) if lacking and shared_memory and self._watch.watches(0) else None
+        )
+        shipment = Shipment(directory)
+        try:
+            if directory is not None:
+                self.sent["shared memory"] += storages.write(lacking, shipment)
+            elif lacking:
+                self.deliver(
+                    Message("receive_storages", (list(lacking), storages.copies(lacking)), wait=False, rank0=True)
+                )
+            self.deliver(Message("start_stage", (dataclasses.replace(spec, shipment=shipment),)))
+        finally:
+            if directory is not None:  # every worker mapped its files, or failed
+                shutil.rmtree(directory, ignore_errors=True)
+
+    def count_from_here(self) -> None:
+        """Count :attr:`sent` anew (a stage starts)."""
+        self.sent.clear()
+
     def deliver(self, message: Message) -> Any:
         """Send ``message``; unless it is fire-and-forget, every addressed rank's answer, in the
         order they arrive (``_gather``)."""
         endpoint = getattr(self._rank0 if message.rank0 else self._workers, message.endpoint)
+        self._count(message.endpoint, message.args, 1 if message.rank0 else self.num_workers)
         if not message.wait:
             endpoint.broadcast(*message.args)
             return None
         return self._gather(endpoint.stream(*message.args))
+
+    def _count(self, endpoint: str, args: tuple[Any, ...], ranks: int) -> None:
+        """Count a message to ``ranks`` ranks in :attr:`sent`: its arguments' pickled size for each."""
+        try:
+            size = len(pickle.dumps(args, protocol=5))
+        except Exception:  # what only cloudpickle pickles, as Monarch does
+            size = len(cloudpickle.dumps(args))
+        self.sent[endpoint] += size * ranks
 
     def fetch(self, progress: int) -> list[Entry]:
         """Rank 0's next entries (R3); ``progress`` is how many rank 0 has sent so far. While rank 0
@@ -205,6 +258,7 @@ class WorkerMesh:
             death, self._death = self._death, None
             raise death
         started = checked = time.monotonic()
+        self._count("fetch", (), 1)
         future = self._rank0.fetch.call_one()
         pending: list[Any] = []
         statuses: dict[int, RankStatus] = {}
@@ -218,6 +272,7 @@ class WorkerMesh:
                 self._raise_if_timed_out(started, self._ahead_of_the_rest(progress, statuses))
                 if time.monotonic() - checked >= _STATUS_S:
                     checked = time.monotonic()
+                    self._count("status", (), self.num_workers)
                     pending.extend(self._workers.status.stream())
             except SupervisionError as error:
                 self._raise_death(error)
@@ -275,6 +330,7 @@ class WorkerMesh:
 
     def grant(self, batches: int) -> None:
         """Tell every worker that the controller took ``batches`` batch starts (R4)."""
+        self._count("grant", (Grant(batches),), self.num_workers)
         self._workers.grant.broadcast(Grant(batches))
 
     def predictions(self) -> list[PredictionShard]:

@@ -1,7 +1,9 @@
 """The stage's payload: its objects pickled once for the workers, and checked before any starts.
 
 Runs on the controller. The module, datamodule, dataloaders and worker callbacks travel to the
-workers pickled (``StageSpec.payload``); classes and functions travel by module path (except those
+workers pickled (``StageSpec.payload``, a ``codec.Parcel``: the pickle, with the large storages
+left out and named by the hash of their bytes, which travel apart and only where the workers do not
+hold them, ``controller.storages``); classes and functions travel by module path (except those
 defined in ``__main__``, which cloudpickle sends by value), so the workers must be able to import
 them. An object that cannot be pickled and a class the workers cannot import are both reported
 here with the fix, instead of as an unpickling error on a remote process.
@@ -24,7 +26,7 @@ import cloudpickle
 from lightning.pytorch import Trainer
 from typing_extensions import override
 
-from lightning_monarch.codec import TensorPickling
+from lightning_monarch.codec import Parcel, TensorPickling, pack
 
 
 class _ReferenceRecorder(TensorPickling, cloudpickle.Pickler):
@@ -35,8 +37,8 @@ class _ReferenceRecorder(TensorPickling, cloudpickle.Pickler):
     each worker attaches its own Trainer, as the controller's cannot leave this process.
     """
 
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+    def __init__(self, file: io.BytesIO, **kwargs: Any) -> None:
+        super().__init__(file, **{"protocol": pickle.HIGHEST_PROTOCOL, **kwargs})
         self.references: dict[str, str] = {}
 
     @override
@@ -51,22 +53,27 @@ class _ReferenceRecorder(TensorPickling, cloudpickle.Pickler):
         return reduced
 
 
-def pack_for_workers(objects: dict[str, Any], script_dir: Optional[str]) -> bytes:
-    """Pickle ``objects`` (named by role, e.g. ``"LightningModule"``) for the workers, once.
+def pack_for_workers(objects: dict[str, Any], script_dir: Optional[str]) -> Parcel:
+    """Pickle ``objects`` (named by role, e.g. ``"LightningModule"``) for the workers, once, as a
+    parcel whose sources are views of their storages (no copy of the weights is made here).
 
     Raises ``TypeError`` naming the object that cannot be pickled, or ``ImportError`` naming the
     class the workers could not import.
     """
-    buffer = io.BytesIO()
-    pickler = _ReferenceRecorder(buffer)
+    picklers: list[_ReferenceRecorder] = []
+
+    def recorder(*args: Any, **kwargs: Any) -> _ReferenceRecorder:
+        picklers.append(_ReferenceRecorder(*args, **kwargs))
+        return picklers[-1]
+
     try:
-        pickler.dump(tuple(objects.values()))
+        parcel = pack(tuple(objects.values()), recorder)
     except Exception:
         for role, obj in objects.items():
             _raise_if_unpicklable(role, obj)
         raise
-    _check_importable(pickler.references, script_dir)
-    return buffer.getvalue()
+    _check_importable(picklers[0].references, script_dir)
+    return parcel
 
 
 def _raise_if_unpicklable(role: str, obj: Any) -> None:

@@ -99,6 +99,10 @@ class MeshPool:
             atexit.register(self.stop)
             self._stops_at_exit = True
 
+    def idle(self, key: MeshKey) -> Optional[WorkerMesh]:
+        """The idle mesh, if the next stage with ``key`` would get it."""
+        return self._idle[1] if self._idle is not None and self._idle[0] == key else None
+
     def worker_pids(self) -> list[int]:
         """The process IDs of the idle mesh's workers."""
         return self._idle[1].pids if self._idle is not None else []

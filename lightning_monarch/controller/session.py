@@ -43,6 +43,8 @@ from lightning_monarch.controller.plan import (
     states_can_travel,
 )
 from lightning_monarch.controller.predictions import PredictionCollector
+from lightning_monarch.controller.replay import replay_in_bulk
+from lightning_monarch.controller.storages import KeptShards
 from lightning_monarch.controller.worker_warnings import WorkerWarnings
 from lightning_monarch.errors import DivergenceError, WorkerError
 from lightning_monarch.gates import GateCallback, install_hook_gates
@@ -62,6 +64,7 @@ from lightning_monarch.protocol import (
     RunAhead,
     SnapshotEpochs,
     control_state,
+    gate_id,
 )
 
 _BASES = {"module": LightningModule, "datamodule": LightningDataModule}
@@ -141,6 +144,7 @@ class StageSession:
                 install_hook_gates(module, "checkpoint", ["on_save_checkpoint"], self._on_save_checkpoint)
             )
         self._undo.append(mirror_metrics(self._trainer, self))
+        self._undo.append(replay_in_bulk(self._trainer, self))
         self._attribute(self._trainer.callbacks)  # type: ignore[attr-defined]
         callbacks = self._trainer.callbacks  # type: ignore[attr-defined]
         callbacks.insert(0, self._gate_callback)
@@ -292,6 +296,38 @@ class StageSession:
                     " Lightning loops diverged."
                 )
         return entry
+
+    def take_batches(self, stage: str, limit: int) -> int:
+        """Take the entries of up to ``limit`` whole batches of the ``stage`` loop (``validation``,
+        ``test``, ``predict``) that rank 0 has sent already, as its loop would one gate at a time,
+        without running any hook here (``controller.replay``); how many batches were taken. A batch
+        is whole when the next one's start has arrived; one with a sync gate or nested results is
+        left to the loop."""
+        start = gate_id("callback", f"on_{stage}_batch_start")
+        taken = 0
+        while taken < limit:
+            entries = self._whole_batch(start)
+            if not entries:
+                break
+            for _ in range(entries):
+                self._leave()
+                gate = self._entries[0].gate
+                assert gate is not None  # a whole batch holds no end entry
+                self._take(gate)
+            taken += 1
+        return taken
+
+    def _whole_batch(self, start: str) -> int:
+        """How many entries the next batch has, if the fetched entries hold all of it and the next
+        batch's start, and none of them waits or carries nested results; else 0."""
+        if not self._entries or self._entries[0].gate != start:
+            return 0
+        for position, entry in enumerate(self._entries):
+            if position and entry.gate == start:
+                return position
+            if entry.gate is None or entry.sync or entry.nested:
+                return 0
+        return 0
 
     def _grant_step(self) -> int:
         limit = self._plan.max_ahead
@@ -507,6 +543,7 @@ class StageSession:
             getattr(self._trainer, view)  # rank 0's final views, which the end entry carries
         self._current, self._views = None, None
         self._channel.close()
+        self._channel.mesh.held = frozenset(entry.held)
         module = self._module
         assert entry.attributes is not None  # rank 0's end entry of a stage that ran to its end has them
         attributes: ModuleAttributes = cloudpickle.loads(entry.attributes)
@@ -523,7 +560,9 @@ class StageSession:
             self.predictions.add(self._channel.mesh.predictions())
         if stage == "fit" and self._sharded:
             module.to("meta")
-        elif stage == "fit":
+        if self._sharded and all(tensor.is_meta for tensor in (*module.parameters(), *module.buffers())):
+            self._channel.mesh.kept_shards = KeptShards.of(module)
+        elif stage == "fit" and not self._sharded:
             assert entry.checkpoint is not None  # the end entry of an unsharded ``fit`` has it
             self.final_state = entry.checkpoint
             if set(self.final_state.model) != set(module.state_dict()):

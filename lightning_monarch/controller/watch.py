@@ -40,6 +40,10 @@ class ProcessWatch:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     process.kill()
 
+    def watches(self, rank: int) -> bool:
+        """Whether worker ``rank`` runs on this host."""
+        return rank in self._processes
+
     @property
     def watches_all(self) -> bool:
         """Whether every worker runs on this host, where its process is watched."""

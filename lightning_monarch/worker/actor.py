@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch import LightningModule
 from monarch.actor import Actor, current_rank, endpoint
 
-from lightning_monarch.codec import encode
+from lightning_monarch.codec import StorageKey, encode
 from lightning_monarch.protocol import (
     CheckpointState,
     Grant,
@@ -43,6 +43,7 @@ from lightning_monarch.worker.process import LOCAL_DIMENSION, leave_process_grou
 from lightning_monarch.worker.sharding import full_state_dict, is_sharded
 from lightning_monarch.worker.stage import build_stage
 from lightning_monarch.worker.stats import RankStatsReader, memory_in_use_mib
+from lightning_monarch.worker.storages import WorkerStorages
 
 
 class MonarchWorker(Actor):
@@ -57,6 +58,8 @@ class MonarchWorker(Actor):
         #: The last stage's module if it was sharded: its shards exist nowhere else.
         self._shards: Optional[LightningModule] = None
         self._stats = RankStatsReader()
+        #: The storages this process holds between stages, and those of the stage it starts.
+        self._storages = WorkerStorages()
 
     @property
     def _rank(self) -> int:
@@ -128,13 +131,23 @@ class MonarchWorker(Actor):
             torch.cuda.empty_cache()
 
     @endpoint
+    def receive_storages(self, keys: list[StorageKey], blobs: list[bytes]) -> None:
+        """Rank 0, before ``start_stage``: the storages of the next stage that the controller sends
+        in a message (``codec.Shipment``), by key."""
+        self._storages.receive(keys, blobs)
+
+    @endpoint
     def start_stage(self, spec: StageSpec) -> Optional[WorkerFailure]:
-        """Build this rank's Trainer for a new stage and start its loop, which runs ahead (R4)."""
+        """Gather the stage's storages with the other ranks (``worker.storages``), build this
+        rank's Trainer for it and start its loop, which runs ahead (R4)."""
         if self._stage is not None:
             self._stage.join(timeout=5.0)
-        self._shards = None
+        kept, self._shards = self._shards, None
         try:
-            self._stage = build_stage(spec, self._rank)
+            self._storages.gather(
+                spec.parcels(), spec.shipment, spec.trainer.accelerator, spec.trainer.process_group_backend
+            )
+            self._stage = build_stage(spec, self._rank, self._storages, kept)
         except BaseException as error:
             return self._failure(error, "start of the stage")
         self._stage.start()

@@ -25,12 +25,13 @@ from typing import Any, Optional, Union
 
 from lightning.pytorch import Trainer
 
-from lightning_monarch.codec import encode
+from lightning_monarch.codec import StorageKey, encode
 from lightning_monarch.errors import DivergenceError
 from lightning_monarch.protocol import (
     GATES,
     MAX_STAGED_STATES,
     NOTICE_GATE,
+    OMITTED,
     SNAPSHOT_GATE,
     Entry,
     Grant,
@@ -97,7 +98,10 @@ class StageLoop:
         state: RankState,
         plan: RunAhead,
         resume: Optional[RankSnapshot] = None,
+        hold: Callable[[], tuple[StorageKey, ...]] = tuple,
     ) -> None:
+        """``hold``: after a stage that ran to its end, keep its storages for the next stage and
+        return their keys (``worker.storages``)."""
         self._trainer = trainer
         self._run = run
         self._rank = rank
@@ -106,6 +110,7 @@ class StageLoop:
         self._plan = plan
         #: Set while a replacement worker catches up to the snapshot (``protocol.ResumePoint``).
         self._resume = resume
+        self._hold = hold
         self._cond = threading.Condition()
         #: Releases and out-of-band requests, in the order the controller sent them.
         self._inbox: deque[Union[Release, _OutOfBand, _Abandon]] = deque()
@@ -289,8 +294,12 @@ class StageLoop:
         predictions, for the controller to collect in bulk at the end of the stage."""
         kind = GATES[gate].result
         if kind == "prediction":
-            self._predictions.append(describe_result(gate, result, self._trainer, args, self._plan))
-            return None
+            shard = describe_result(gate, result, self._trainer, args, self._plan)
+            self._predictions.append(shard)
+            # the predictions come in bulk at the stage's end; the entry carries the output only
+            # where a controller callback reads it, else a stand-in that is not ``None`` (Lightning
+            # warns of a ``predict_step`` that returned ``None``, as rank 0 does where it did)
+            return shard.output if gate in self._plan.outputs else OMITTED
         if kind is None or self._rank != 0:
             return None
         return describe_result(gate, result, self._trainer, args, self._plan)
@@ -405,7 +414,7 @@ class StageLoop:
     def _main(self) -> None:
         try:
             self._run()
-            end = self._recorder.end()
+            end = dataclasses.replace(self._recorder.end(), held=self._hold())
         except BaseException as error:
             self._free_running = True
             end = Entry(

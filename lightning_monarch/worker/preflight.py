@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_monarch.devices import host_gpu_count, visibility
-from lightning_monarch.protocol import PreflightSpec, WorkerReport, versions, worker_backend
+from lightning_monarch.protocol import PreflightSpec, WorkerReport, versions
 from lightning_monarch.worker import process
 
 #: AMD's RCCL usage tips: peer-to-peer between PCIe-connected GPUs needs this set to 1.
@@ -122,8 +122,7 @@ def _time_all_reduce(spec: PreflightSpec) -> float:
     """Seconds for one all-reduce across the mesh, after a warm-up one. Starts the default process
     group (with the backend Lightning's DDP would pick) if no stage has yet; the stages then use it."""
     cuda = spec.accelerator == "cuda"
-    if not dist.is_initialized():
-        dist.init_process_group(worker_backend(spec.accelerator, spec.process_group_backend))
+    process.ensure_process_group(spec.accelerator, spec.process_group_backend)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     tensor = torch.ones(int(spec.all_reduce_mib * 2**20 / 4), device=device)
     dist.all_reduce(tensor[:1])

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.actor import current_rank
 
 from lightning_monarch.devices import pin
-from lightning_monarch.protocol import WorldSpec
+from lightning_monarch.protocol import WorldSpec, worker_backend
 from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.notices import ignore_sigterm
 
@@ -65,6 +65,14 @@ def start_worker_process(run_id: str, gpu_indices: Optional[tuple[int, ...]], ho
         pinning_problem = str(error)
         variable, device = ("HIP_VISIBLE_DEVICES" if rocm else "CUDA_VISIBLE_DEVICES"), ""
     os.environ[variable] = device
+
+
+def ensure_process_group(accelerator: str, backend: Optional[str]) -> None:
+    """Start this process's default ``torch.distributed`` group, with the backend Lightning's DDP
+    would pick (``protocol.worker_backend``), unless one runs: the preflight check and a stage's
+    storages need it before the stage's Trainer starts, which then finds it and keeps it."""
+    if not dist.is_initialized():
+        dist.init_process_group(worker_backend(accelerator, backend))
 
 
 def leave_process_group() -> None:

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_monarch._compat import torch as torch_compat
@@ -70,8 +71,9 @@ def sharded_strategy(config: TrainerConfig, parallel_devices: Optional[list[torc
     return strategy
 
 
-def shard_in_configure_model(module: LightningModule, spec: ShardingSpec) -> None:
-    """Make ``module.configure_model`` shard the module after the hook itself ran.
+def shard_in_configure_model(module: LightningModule, spec: ShardingSpec, kept: Optional[torch.nn.Module]) -> None:
+    """Make ``module.configure_model`` shard the module after the hook itself ran, and, where
+    ``spec.from_shards`` says so, give it the values of ``kept``'s shards.
 
     Installed after the gates (``worker.stage``), so that the gated hook is what runs first. The
     wrapper makes Lightning call ``configure_model`` on the worker even when the module does not
@@ -89,6 +91,8 @@ def shard_in_configure_model(module: LightningModule, spec: ShardingSpec) -> Non
         if builds_submodules:
             configure_model()
         shard(module, spec, warn=builds_submodules)
+        if spec.from_shards:
+            load_kept_shards(module, kept)
 
     vars(module)["configure_model"] = configure_and_shard
 
@@ -126,6 +130,39 @@ def shard(module: LightningModule, spec: ShardingSpec, warn: bool = True) -> Non
         fully_shard(module, **options)
     for method in _STEP_METHODS:
         register_fsdp_forward_method(module, method)
+
+
+def load_kept_shards(module: torch.nn.Module, kept: Optional[torch.nn.Module]) -> None:
+    """Give ``module``, sharded as ``kept`` was (the same policy, the same ranks), this rank's
+    shards of ``kept``'s parameters and its buffers: the module of the controller is on the meta
+    device, and its weights are those the workers kept, so none travel. The module is
+    materialized on the shards' device first (Lightning's ``ModelParallelStrategy`` then finds
+    nothing on the meta device to initialize)."""
+    if kept is None:
+        raise RuntimeError(
+            "This worker no longer keeps the shards of the module's last sharded stage (a bug in lightning_monarch:"
+            " the controller checked that its mesh does)."
+        )
+    theirs = {**dict(kept.named_parameters()), **dict(kept.named_buffers())}
+    ours = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    if {name: _local(tensor).shape for name, tensor in ours.items()} != {
+        name: _local(tensor).shape for name, tensor in theirs.items()
+    }:
+        raise RuntimeError(
+            f"`{type(module).__name__}` built other parameters or buffers in `configure_model` than the module whose"
+            " shards the workers kept from the last sharded stage, so its trained weights cannot be loaded into it"
+            " under `MonarchFSDPStrategy`. Load them on the controller first:"
+            " `model.to_empty(device='cpu'); model.load_state_dict(trainer.strategy.gather_full_state_dict())`."
+        )
+    module.to_empty(device=_local(next(iter(theirs.values()))).device if theirs else torch.device("cpu"))
+    with torch.no_grad():
+        for name, tensor in {**dict(module.named_parameters()), **dict(module.named_buffers())}.items():
+            _local(tensor).copy_(_local(theirs[name]))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded parameter (a ``DTensor``), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def checkpoint_activations(

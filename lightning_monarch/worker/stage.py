@@ -17,15 +17,15 @@ import re
 import sys
 import tempfile
 import warnings
-from typing import Any, cast
+from typing import Any, Optional, cast
 
 import torch
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.codec import decode
+from lightning_monarch.codec import Parcel, open_parcel
 from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS, StageSpec
 from lightning_monarch.worker.entries import EntryRecorder
@@ -34,6 +34,7 @@ from lightning_monarch.worker.loop import StageLoop
 from lightning_monarch.worker.sharding import shard_in_configure_model, sharded_strategy
 from lightning_monarch.worker.state import RankState
 from lightning_monarch.worker.stats import RehearsalRecorder
+from lightning_monarch.worker.storages import WorkerStorages
 
 #: Extra keyword arguments each stage method takes on a worker.
 _STAGE_KWARGS = {
@@ -52,8 +53,13 @@ _QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric")
 _CALLBACKS_MISSING_WARNING = "Be aware that when using `ckpt_path`, callbacks used to create the checkpoint"
 
 
-def build_stage(spec: StageSpec, rank: int) -> StageLoop:
-    """Unpack the stage's objects, build this rank's Trainer and return its (not yet started) loop.
+def build_stage(
+    spec: StageSpec, rank: int, storages: WorkerStorages, kept: Optional[LightningModule] = None
+) -> StageLoop:
+    """Open the stage's objects with the storages gathered for it, build this rank's Trainer and
+    return its (not yet started) loop, which holds its storages for the next stage when it ends.
+    ``kept``: the sharded module of this worker's last stage, whose shards a stage that says
+    ``from_shards`` loads (``worker.sharding``).
 
     A replacement worker (``spec.resume``) resumes from the snapshot's checkpoint, and every
     worker of an elastic ``fit`` that goes on in a smaller world from the checkpoint sent with the
@@ -72,7 +78,7 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-    module, datamodule, loaders, worker_callbacks = decode(spec.payload)
+    module, datamodule, loaders, worker_callbacks = open_parcel(spec.payload, storages.take(spec.payload))
 
     loop: StageLoop
 
@@ -113,19 +119,19 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
     lightning_compat.carry_fit_progress(trainer, spec.fit_loop_state)
     install_hook_gates(module, "module", MODULE_HOOKS, around)
     if config.sharding is not None:
-        shard_in_configure_model(module, config.sharding)
+        shard_in_configure_model(module, config.sharding, kept)
     if datamodule is not None:
         install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, around)
     ckpt_path, snapshot_file = spec.ckpt_path, None
     checkpoint = spec.resume.checkpoint if spec.resume is not None else spec.checkpoint
-    if checkpoint is not None:
-        if isinstance(checkpoint, str):
-            ckpt_path = checkpoint  # a sharded snapshot's directory, which the controller removes
-        else:
-            handle, snapshot_file = tempfile.mkstemp(prefix="lightning_monarch_snapshot_", suffix=".ckpt")
-            with os.fdopen(handle, "wb") as file:
-                file.write(checkpoint)
-            ckpt_path = snapshot_file
+    if isinstance(checkpoint, str):
+        ckpt_path = checkpoint  # a sharded snapshot's directory, which the controller removes
+    elif isinstance(checkpoint, Parcel):
+        handle, snapshot_file = tempfile.mkstemp(prefix="lightning_monarch_snapshot_", suffix=".ckpt")
+        with os.fdopen(handle, "wb") as file:
+            file.write(open_parcel(checkpoint, storages.take(checkpoint, hold=False)))
+        ckpt_path = snapshot_file
+    storages.end_of_stage()
     stage = functools.partial(
         getattr(trainer, spec.fn),
         module,
@@ -147,5 +153,5 @@ def build_stage(spec: StageSpec, rank: int) -> StageLoop:
     recorder = EntryRecorder(
         trainer, rank, logger_calls, state, final_state=spec.fn == "fit" and config.sharding is None
     )
-    loop = StageLoop(trainer, run, rank, recorder, state, spec.run_ahead, resume)
+    loop = StageLoop(trainer, run, rank, recorder, state, spec.run_ahead, resume, lambda: storages.hold(state.module))
     return loop
