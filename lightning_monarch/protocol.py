@@ -503,6 +503,18 @@ class SnapshotEpochs(SyncRule):
 
 
 @dataclass(frozen=True)
+class WhileFitting(SyncRule):
+    """``rule``, while the Trainer fits and does not check its validation loop (the sanity check):
+    the only time ``ModelCheckpoint`` saves and ``EarlyStopping`` checks."""
+
+    rule: SyncRule
+
+    @override
+    def due(self, trainer: Any) -> bool:
+        return trainer.state.fn == "fit" and not trainer.sanity_checking and self.rule.due(trainer)
+
+
+@dataclass(frozen=True)
 class AnyOf(SyncRule):
     """When any of ``rules`` is due: several controller callbacks at one gate."""
 

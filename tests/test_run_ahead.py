@@ -10,7 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_monarch import DivergenceError, MonarchStrategy, observe_only
@@ -176,6 +176,26 @@ def test_a_checkpoint_every_n_steps_travels_in_the_entries_and_the_workers_do_no
     assert sorted(path.name for path in tmp_path.iterdir()) == [
         f"epoch={epoch}-step={step}.ckpt" for epoch, step in ((0, 3), (0, 6), (1, 12), (1, 9))
     ]
+
+
+def test_in_validate_checkpoint_and_early_stopping_callbacks_copy_no_state_and_never_wait(tmp_path: Any) -> None:
+    """``ModelCheckpoint`` saves and ``EarlyStopping`` checks only while fitting: in ``validate`` the
+    workers neither wait for them nor put rank 0's state in an entry where they would act."""
+    callbacks = [ModelCheckpoint(dirpath=tmp_path), ModelCheckpoint(dirpath=tmp_path, monitor="val_loss")]
+    with pytest.MonkeyPatch.context() as patch:
+        counted = Counted(patch)
+        trainer = L.Trainer(
+            strategy="monarch",
+            accelerator="cpu",
+            devices=2,
+            logger=False,
+            enable_progress_bar=False,
+            callbacks=[*callbacks, EarlyStopping("val_loss")],
+        )
+        trainer.validate(Classifier(), verbose=False)
+    assert "callback.on_validation_end" in [entry.gate for entry in counted.entries]
+    assert not [entry.gate for entry in counted.entries if entry.sync or entry.checkpoint is not None]
+    assert counted.requests == []
 
 
 class StampsItsSteps(Classifier):

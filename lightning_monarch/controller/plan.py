@@ -3,7 +3,9 @@
 
 Runs on the controller, when a stage starts and again at the sync gates where its callbacks or
 LR schedulers became known (``configure_callbacks``, ``configure_optimizers``). Each of
-Lightning's built-in callbacks declares precisely where it acts on the workers:
+Lightning's built-in callbacks declares precisely where it acts on the workers (``ModelCheckpoint``
+and ``EarlyStopping`` only while fitting, not in ``validate`` nor in the sanity check, where they
+do nothing):
 
 | callback | sync gates (the workers wait) | entries carry |
 |---|---|---|
@@ -50,6 +52,7 @@ from lightning_monarch.protocol import (
     RunAhead,
     SnapshotEpochs,
     SyncRule,
+    WhileFitting,
     gate_id,
 )
 
@@ -122,7 +125,10 @@ def sync_rules(callback: Callback) -> dict[str, SyncRule]:
     if isinstance(callback, ModelCheckpoint):
         return _saves(callback)
     if isinstance(callback, EarlyStopping):
-        return {_gate(callback, "on_train_epoch_end"): Always(), _gate(callback, "on_validation_end"): Always()}
+        return {
+            _gate(callback, "on_train_epoch_end"): WhileFitting(Always()),
+            _gate(callback, "on_validation_end"): WhileFitting(Always()),
+        }
     if isinstance(callback, GradientAccumulationScheduler):
         return {_gate(callback, "on_train_epoch_start"): Always()}
     if isinstance(callback, MeshStatsMonitor):
@@ -134,8 +140,9 @@ def sync_rules(callback: Callback) -> dict[str, SyncRule]:
 
 
 def _saves(callback: ModelCheckpoint) -> dict[str, SyncRule]:
-    """Where ``callback`` may save: train batch ends (every ``every_n_train_steps`` steps, or every
-    batch with ``train_time_interval``), train epoch ends, validation ends, and the train end with
+    """Where ``callback`` may save, while fitting (not in ``validate``, nor in the sanity check):
+    train batch ends (every ``every_n_train_steps`` steps, or every batch with
+    ``train_time_interval``), train epoch ends, validation ends, and the train end with
     ``save_last``."""
     every, time_interval = lightning_compat.checkpoint_schedule(callback)
     rules: dict[str, SyncRule] = {
@@ -148,7 +155,7 @@ def _saves(callback: ModelCheckpoint) -> dict[str, SyncRule]:
         rules[_gate(callback, "on_train_batch_end")] = EveryNTrainSteps(every)
     if callback.save_last:
         rules[_gate(callback, "on_train_end")] = Always()
-    return rules
+    return {gate: WhileFitting(rule) for gate, rule in rules.items()}
 
 
 def saves_from_entries(callback: Callback) -> bool:

@@ -145,7 +145,11 @@ class MonarchWorker(Actor):
         kept, self._shards = self._shards, None
         try:
             self._storages.gather(
-                spec.parcels(), spec.shipment, spec.trainer.accelerator, spec.trainer.process_group_backend
+                spec.parcels(),
+                spec.shipment,
+                spec.trainer.accelerator,
+                spec.trainer.process_group_backend,
+                writes=spec.fn == "fit",
             )
             self._stage = build_stage(spec, self._rank, self._storages, kept)
         except BaseException as error:

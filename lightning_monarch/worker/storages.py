@@ -54,13 +54,18 @@ class WorkerStorages:
         for key, blob in zip(keys, blobs, strict=True):
             self._received[key] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).untyped_storage()
 
-    def gather(self, parcels: list[Parcel], shipment: Shipment, accelerator: str, backend: Optional[str]) -> None:
+    def gather(
+        self, parcels: list[Parcel], shipment: Shipment, accelerator: str, backend: Optional[str], writes: bool
+    ) -> None:
         """Make every storage ``parcels`` name available to :meth:`take`: held from the last stage,
-        mapped from the shipment's files where this host has them, received (rank 0), and whatever
-        a rank still lacks broadcast from rank 0. Every rank takes part; the storages held from the
-        last stage that this one does not name are let go."""
+        from the shipment's files where this host has them, received (rank 0), and whatever a rank
+        still lacks broadcast from rank 0. Every rank takes part; the storages held from the last
+        stage that this one does not name are let go. A file is mapped, private and copy-on-write,
+        unless the stage ``writes`` its storages (a ``fit``): then it is copied into memory of this
+        process's own, which costs less than a fault per page written (measured with 400 MiB:
+        0.2-0.5 s to copy and write, against 0.8-1.0 s to write the mapped pages)."""
         keys = list(dict.fromkeys(key for parcel in parcels for key in parcel.keys))
-        found: list[Optional[torch.UntypedStorage]] = [self._find(key, shipment) for key in keys]
+        found: list[Optional[torch.UntypedStorage]] = [self._find(key, shipment, writes) for key in keys]
         self._held, self._received = {}, {}
         if keys and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             ensure_process_group(accelerator, backend)
@@ -114,7 +119,7 @@ class WorkerStorages:
         self._given = []
         return tuple(self._held)
 
-    def _find(self, key: StorageKey, shipment: Shipment) -> Optional[torch.UntypedStorage]:
+    def _find(self, key: StorageKey, shipment: Shipment, writes: bool) -> Optional[torch.UntypedStorage]:
         if key in self._held:
             return self._held[key]
         if key in self._received:
@@ -123,7 +128,11 @@ class WorkerStorages:
         if path is not None and os.path.exists(path):
             mapped = torch.UntypedStorage.from_file(path, shared=False, nbytes=key.nbytes)
             assert isinstance(mapped, torch.UntypedStorage)  # from_file of UntypedStorage makes one
-            return mapped
+            if not writes:
+                return mapped
+            own = torch.empty(key.nbytes, dtype=torch.uint8)
+            own.copy_(torch.empty(0, dtype=torch.uint8).set_(mapped))
+            return own.untyped_storage()
         return None
 
 
