@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,6 @@ STEADY_METRICS = (
     "validate_samples_per_s",
     "predict_samples_per_s",
 )
-#: The workers the controller's CPU time per batch is measured with.
-CONTROLLER_CPU_DEVICES = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -154,15 +153,7 @@ def summarize(runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]]) -> di
                 "met": ratio >= measure.target,
             }
         )
-    cpu = found.get("controller_cpu", {}).get("small", {})
-    return {
-        "medians": found,
-        "measures": rows,
-        "controller_cpu_ms_per_batch": {
-            devices: values["controller_cpu_ms_per_batch"]
-            for devices, values in sorted(cpu.items(), key=lambda item: int(item[0]))
-        },
-    }
+    return {"medians": found, "measures": rows}
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -171,16 +162,6 @@ def table(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {row['measure']} | {row['monarch']:.4g} | {row['ddp']:.4g} | {row['ratio']:.3f}"
             f" | ≥ {row['target']:.2f} | {'yes' if row['met'] else 'no'} |"
-        )
-    cpu = summary["controller_cpu_ms_per_batch"]
-    if cpu:
-        values = list(cpu.values())
-        spread = max(values) / min(values) - 1
-        lines += ["", "| workers | controller CPU ms per training batch (small model) |", "|---|---|"]
-        lines += [f"| {devices} | {value:.2f} |" for devices, value in cpu.items()]
-        lines.append(
-            f"\nlargest over smallest: +{100 * spread:.0f}% (target: flat, within 20%:"
-            f" {'met' if spread <= 0.2 else 'not met'})"
         )
     steady = summary["medians"].get("steady", {})
     if steady:
@@ -232,6 +213,16 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     figure.savefig(path)
 
 
+def write_results(stem: str, figures: dict[str, Any], markdown: str, draw: Callable[[Path], None]) -> None:
+    """Write one benchmark's results: ``results/<stem>.json`` (``figures``), ``<stem>.md``
+    (``markdown``, also printed) and ``<stem>.png`` (drawn by ``draw``)."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(figures, indent=2))
+    (RESULTS / f"{stem}.md").write_text(markdown + "\n")
+    draw(RESULTS / f"{stem}.png")
+    print(markdown)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small model, steady scenario, monarch and ddp, once")
@@ -247,23 +238,20 @@ def main() -> None:
         plan += [("observed", size, ("monarch", "ddp"), steps, 2) for size, steps in STEPS.items()]
         plan += [("defaults", size, ("monarch", "ddp"), 0, 2) for size in ("small", "medium")]
         plan += [("checkpointed", "large", ("monarch", "ddp"), 65, 2)]
-        plan += [("controller_cpu", "small", ("monarch",), 0, devices) for devices in CONTROLLER_CPU_DEVICES]
     runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
     for scenario, size, modes, steps, devices in plan:
         for rep in range(reps):
             for mode in modes:
                 print(f"[{scenario} {size} {rep + 1}/{reps}] {mode} devices={devices} ...", flush=True)
                 result = run_one(mode, size, steps, scenario, devices)
-                # controller_cpu runs monarch alone: its results go by the number of workers
-                column = str(devices) if scenario == "controller_cpu" else mode
-                runs.setdefault(scenario, {}).setdefault(size, {}).setdefault(column, []).append(result)
+                runs.setdefault(scenario, {}).setdefault(size, {}).setdefault(mode, []).append(result)
     summary = summarize(runs)
-    RESULTS.mkdir(exist_ok=True)
-    stem = "quick" if args.quick else "latest"
-    (RESULTS / f"{stem}.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=2))
-    (RESULTS / f"{stem}.md").write_text(table(summary) + "\n")
-    plot(summary, RESULTS / f"{stem}.png")
-    print(table(summary))
+    write_results(
+        "quick" if args.quick else "latest",
+        {"summary": summary, "runs": runs},
+        table(summary),
+        lambda path: plot(summary, path),
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_monarch.benchmark.measure import WARMUP_STEPS, add_arguments, peak_rss_mib, step_seconds, timed_fit
-from lightning_monarch.benchmark.models import SIZES, BenchModel, make_dataset, make_network
+from lightning_monarch.benchmark.models import SIZES, BenchModel, SleepingModel, make_dataset, make_network
 
 
 def run_steady(mode: str, size: str, steps: int, out: str, accelerator: str, devices: int) -> dict[str, Any]:
@@ -46,7 +47,20 @@ def run_steady(mode: str, size: str, steps: int, out: str, accelerator: str, dev
         )
     batches = min(steps, 40)
     samples = devices * batches * SIZES[size][3]
-    eval_trainer = L.Trainer(
+    eval_trainer = _eval_trainer(mode, accelerator, devices, batches)
+    started = time.perf_counter()
+    eval_trainer.validate(model, verbose=False)
+    result["validate_samples_per_s"] = samples / (time.perf_counter() - started)
+    started = time.perf_counter()
+    eval_trainer.predict(model)
+    result["predict_samples_per_s"] = samples / (time.perf_counter() - started)
+    return result if trainer.is_global_zero else {}
+
+
+def _eval_trainer(mode: str, accelerator: str, devices: int, batches: int) -> L.Trainer:
+    """A new Trainer for ``validate`` and ``predict`` of ``batches`` batches (in the same processes
+    as the ``fit`` before it: ``monarch`` keeps its mesh, ``ddp`` its ranks)."""
+    return L.Trainer(
         strategy=mode,
         accelerator=accelerator,
         devices=devices,
@@ -56,13 +70,31 @@ def run_steady(mode: str, size: str, steps: int, out: str, accelerator: str, dev
         limit_val_batches=batches,
         limit_predict_batches=batches,
     )
-    started = time.perf_counter()
-    eval_trainer.validate(model, verbose=False)
-    result["validate_samples_per_s"] = samples / (time.perf_counter() - started)
-    started = time.perf_counter()
-    eval_trainer.predict(model)
-    result["predict_samples_per_s"] = samples / (time.perf_counter() - started)
-    return result if trainer.is_global_zero else {}
+
+
+def run_stages(mode: str, size: str, out: str, accelerator: str, devices: int) -> dict[str, Any]:
+    """What a user of a large model waits for per stage: a cold ``fit`` to its first finished step
+    (new processes; 2 steps), then, warm (the same processes, a new Trainer), ``validate`` and
+    ``predict`` of 2 small batches, 3 times each; the medians."""
+    trainer, model, cold = timed_fit(mode, size, 2, out + ".cold", accelerator, devices)
+    eval_trainer = _eval_trainer(mode, accelerator, devices, 2)
+    seconds: dict[str, list[float]] = {"validate_s": [], "predict_s": []}
+    for _ in range(3):
+        started = time.perf_counter()
+        eval_trainer.validate(model, verbose=False)
+        seconds["validate_s"].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        eval_trainer.predict(model)
+        seconds["predict_s"].append(time.perf_counter() - started)
+    if not trainer.is_global_zero:
+        return {}
+    result = {name: statistics.median(values) for name, values in seconds.items()}
+    sent = getattr(eval_trainer.strategy, "sent_bytes", None)
+    return {
+        **result,
+        "first_step_s": cold["first_step_s"],
+        **({"predict_sent_mib": sum(sent.values()) / 2**20} if sent is not None else {}),
+    }
 
 
 def run_timed(
@@ -107,15 +139,42 @@ def run_defaults(mode: str, size: str, out: str, accelerator: str, devices: int)
 def run_controller_cpu(size: str, out: str, devices: int) -> dict[str, Any]:
     """The controller's CPU time per training batch under ``monarch`` (every thread of its process,
     Monarch's included): the difference between a 250-step and a 50-step ``fit`` on a warm mesh,
-    over the 200 steps between them."""
-    timed_fit("monarch", size, 20, out + ".warmup", "cpu", devices)
-    used = []
+    over the 200 steps between them. The workers' steps sleep (``SleepingModel``), as GPU workers
+    wait for their devices, so that with many workers on few cores their steps stay as long.
+
+    Also the controller's CPU time per second while the mesh stands idle (``IDLE_S`` after the
+    warm-up): Monarch's supervision poll of every worker process (once a second,
+    ``controller.install.SUPERVISION_POLL``), a cost per worker and per second, not per batch;
+    ``beyond_idle_ms_per_batch`` is the per-batch figure without it."""
+    timed_fit("monarch", size, 20, out + ".warmup", "cpu", devices, model_class=SleepingModel)
+    before = _cpu_seconds()
+    time.sleep(IDLE_S)
+    idle_per_s = (_cpu_seconds() - before) / IDLE_S
+    used, walls = [], []
     for steps in (50, 250):
-        before = psutil.Process().cpu_times()
-        timed_fit("monarch", size, steps, out + f".{steps}", "cpu", devices)
-        after = psutil.Process().cpu_times()
-        used.append(after.user + after.system - before.user - before.system)
-    return {"controller_cpu_ms_per_batch": 1000 * (used[1] - used[0]) / 200, "devices": devices}
+        before, started = _cpu_seconds(), time.perf_counter()
+        timed_fit("monarch", size, steps, out + f".{steps}", "cpu", devices, model_class=SleepingModel)
+        walls.append(time.perf_counter() - started)
+        used.append(_cpu_seconds() - before)
+    batches = 200
+    idle_share = idle_per_s * (walls[1] - walls[0])
+    return {
+        "controller_cpu_ms_per_batch": 1000 * (used[1] - used[0]) / batches,
+        "beyond_idle_ms_per_batch": 1000 * (used[1] - used[0] - idle_share) / batches,
+        "idle_ms_per_s": 1000 * idle_per_s,
+        "step_ms": 1000 * (walls[1] - walls[0]) / batches,
+        "devices": devices,
+    }
+
+
+#: How long the controller's CPU time is measured on an idle mesh (``run_controller_cpu``).
+IDLE_S = 10.0
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time so far, user and system, every thread."""
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
 
 
 def _torch_rank(rank: int, size: str, steps: int, port: int, out: str) -> None:
@@ -160,8 +219,9 @@ def run_torch(size: str, steps: int, out: str) -> None:
 #: What one run measures: ``steady`` (throughput, start-up, memory, validate and predict), ``observed``
 #: (throughput with an observe-only clock on the controller), ``checkpointed`` (throughput with
 #: ``ModelCheckpoint(every_n_train_steps=10)``), ``defaults`` (a whole fit with Lightning's
-#: defaults), ``controller_cpu`` (``monarch`` only: the controller's CPU time per batch).
-SCENARIOS = ("steady", "observed", "checkpointed", "defaults", "controller_cpu")
+#: defaults), ``stages`` (a large model's stages: its first step cold, warm validate and predict),
+#: ``controller_cpu`` (``monarch`` only: the controller's CPU time per batch, workers sleeping).
+SCENARIOS = ("steady", "observed", "checkpointed", "defaults", "stages", "controller_cpu")
 
 
 def main() -> None:
@@ -184,6 +244,8 @@ def main() -> None:
         )
     elif args.scenario == "defaults":
         result = run_defaults(args.mode, args.size, work, args.accelerator, args.devices)
+    elif args.scenario == "stages":
+        result = run_stages(args.mode, args.size, work, args.accelerator, args.devices)
     else:
         result = run_controller_cpu(args.size, work, args.devices)
     if result:

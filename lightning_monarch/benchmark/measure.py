@@ -86,13 +86,14 @@ def timed_fit(
     devices: int = 2,
     clock: str = "steps",
     callbacks: Sequence[L.Callback] = (),
+    model_class: type[BenchModel] = BenchModel,
 ) -> tuple[L.Trainer, BenchModel, dict[str, Any]]:
-    """One ``fit`` of ``steps`` steps of a model seeded alike in every mode; rank 0's clock
-    (written to ``out``) when this is rank 0. ``clock="steps"`` times the steps where they run;
-    ``"controller"`` times them on the controller under ``monarch``, with an observe-only callback.
-    ``callbacks`` run where Lightning runs them (on the controller under ``monarch``)."""
+    """One ``fit`` of ``steps`` steps of a model (a ``model_class``) seeded alike in every mode;
+    rank 0's clock (written to ``out``) when this is rank 0. ``clock="steps"`` times the steps where
+    they run; ``"controller"`` times them on the controller under ``monarch``, with an observe-only
+    callback. ``callbacks`` run where Lightning runs them (on the controller under ``monarch``)."""
     torch.manual_seed(0)
-    model = BenchModel(size, batches=steps + WARMUP_STEPS + 2)
+    model = model_class(size, batches=steps + WARMUP_STEPS + 2)
     timer = StepClock(out)
     on_workers = mode == "monarch" and clock == "steps"
     trainer = L.Trainer(

@@ -6,6 +6,7 @@ Imported by the controller and, by module path, by the workers that train it.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning as L
@@ -15,11 +16,14 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 #: (input features, hidden width, depth, batch size) per size; the step times are what these take
-#: on the 2-core development machine with 2 workers: about 3 ms, 30 ms and 200 ms.
+#: on the 2-core development machine with 2 workers: about 3 ms, 30 ms and 200 ms. ``400mib``
+#: has six ``Linear(4096, 4096)`` (100 M parameters, 400 MiB in fp32) and small batches: a model
+#: whose weights, not its steps, are what a stage must move.
 SIZES: dict[str, tuple[int, int, int, int]] = {
     "small": (32, 64, 2, 32),
     "medium": (256, 768, 4, 192),
     "large": (512, 1536, 6, 256),
+    "400mib": (4096, 4096, 6, 8),
 }
 
 
@@ -82,3 +86,24 @@ class BenchModel(L.LightningModule):
     @override
     def predict_dataloader(self) -> DataLoader:
         return self._loader()
+
+
+class SleepingModel(BenchModel):
+    """The benchmark model whose training step only sleeps :attr:`STEP_S` and steps its optimizer
+    (manual optimization, no backward, so no gradient to all-reduce and no update): workers that wait, as for a GPU, so that the
+    controller's own CPU per batch can be measured with many of them on a few cores, their steps
+    as long with 16 of them as with 2."""
+
+    #: 50 ms: long enough that 16 workers sharing 2 cores keep their steps about as long as 2 do.
+    STEP_S = 0.05
+
+    def __init__(self, size: str, batches: int) -> None:
+        super().__init__(size, batches)
+        self.automatic_optimization = False
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+        time.sleep(self.STEP_S)
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)
+        optimizer.step()  # what counts the step towards max_steps

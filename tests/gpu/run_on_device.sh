@@ -7,6 +7,8 @@
 #     MeshStatsMonitor's readings and CUDA-event step timer; the warm mesh; the controller never
 #     initializing a GPU;
 #   - the small and medium benchmarks, monarch against ddp with devices=1;
+#   - the 400 MiB model's stages (cold fit to its first step, warm validate and predict), monarch
+#     and ddp with devices=1 (benchmarks/run_one.py --scenario stages);
 # and writes $OUT/gpu-summary.json and $OUT/gpu-summary.md (with the date and the commit).
 #
 # usage: bash tests/gpu/prepare.sh here, then on the device, carrying .gpu:
@@ -38,6 +40,13 @@ for size in small medium; do
   timeout 120 "$python" -m lightning_monarch benchmark --accelerator gpu --devices 1 --size "$size" --steps 60 --reps 2 \
     --json > "$out/benchmark-$size.json" 2> "$out/benchmark-$size.log"
   tail -3 "$out/benchmark-$size.log"
+done
+
+for mode in monarch ddp; do
+  echo "== 400 MiB model's stages, $mode ($(($(date +%s) - started)) s)"
+  timeout 90 "$python" -m benchmarks.run_one --mode "$mode" --size 400mib --scenario stages --accelerator gpu \
+    --devices 1 --out "$out/stages-$mode.json" > "$out/stages-$mode.log" 2>&1
+  tail -2 "$out/stages-$mode.log"
 done
 
 "$python" tests/gpu/summarize.py "$out" "$commit" "$(($(date +%s) - started))"

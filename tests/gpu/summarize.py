@@ -49,6 +49,7 @@ def main() -> None:
         "machine": machine,
         "tests": _tests(out / "tests.xml"),
         "benchmarks": {size: _benchmark(out / f"benchmark-{size}.json") for size in ("small", "medium")},
+        "stages": {mode: _benchmark(out / f"stages-{mode}.json") for mode in ("monarch", "ddp")},
     }
     (out / "gpu-summary.json").write_text(json.dumps(summary, indent=2))
     lines = [
@@ -75,6 +76,11 @@ def main() -> None:
                 f"| {size} | {median['monarch']:.2f} | {median['ddp']:.2f}"
                 f" | {result['throughput_ratio_monarch_over_ddp']:.3f} |"
             )
+    lines += ["", "| 400 MiB model (s) | monarch | ddp |", "|---|---|---|"]
+    stages = summary["stages"]
+    for figure in ("first_step_s", "validate_s", "predict_s"):
+        shown = [f"{stages[mode][figure]:.2f}" if stages[mode] else "missing" for mode in ("monarch", "ddp")]
+        lines.append(f"| {figure} | {' | '.join(shown)} |")
     (out / "gpu-summary.md").write_text("\n".join(lines) + "\n")
 
 
