@@ -47,14 +47,19 @@ def run_steady(mode: str, size: str, steps: int, out: str, accelerator: str, dev
         )
     batches = min(steps, 40)
     samples = devices * batches * SIZES[size][3]
-    eval_trainer = _eval_trainer(mode, accelerator, devices, batches)
+    seconds = _timed_evaluation(_eval_trainer(mode, accelerator, devices, batches), model)
+    result["validate_samples_per_s"] = samples / seconds["validate_s"]
+    result["predict_samples_per_s"] = samples / seconds["predict_s"]
+    return result if trainer.is_global_zero else {}
+
+
+def _timed_evaluation(eval_trainer: L.Trainer, model: BenchModel) -> dict[str, float]:
+    """The seconds one ``validate`` and then one ``predict`` of ``model`` take."""
     started = time.perf_counter()
     eval_trainer.validate(model, verbose=False)
-    result["validate_samples_per_s"] = samples / (time.perf_counter() - started)
-    started = time.perf_counter()
+    validated = time.perf_counter()
     eval_trainer.predict(model)
-    result["predict_samples_per_s"] = samples / (time.perf_counter() - started)
-    return result if trainer.is_global_zero else {}
+    return {"validate_s": validated - started, "predict_s": time.perf_counter() - validated}
 
 
 def _eval_trainer(mode: str, accelerator: str, devices: int, batches: int) -> L.Trainer:
@@ -78,17 +83,10 @@ def run_stages(mode: str, size: str, out: str, accelerator: str, devices: int) -
     ``predict`` of 2 small batches, 3 times each; the medians."""
     trainer, model, cold = timed_fit(mode, size, 2, out + ".cold", accelerator, devices)
     eval_trainer = _eval_trainer(mode, accelerator, devices, 2)
-    seconds: dict[str, list[float]] = {"validate_s": [], "predict_s": []}
-    for _ in range(3):
-        started = time.perf_counter()
-        eval_trainer.validate(model, verbose=False)
-        seconds["validate_s"].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        eval_trainer.predict(model)
-        seconds["predict_s"].append(time.perf_counter() - started)
+    calls = [_timed_evaluation(eval_trainer, model) for _ in range(3)]
     if not trainer.is_global_zero:
         return {}
-    result = {name: statistics.median(values) for name, values in seconds.items()}
+    result = {name: statistics.median(call[name] for call in calls) for name in calls[0]}
     sent = getattr(eval_trainer.strategy, "sent_bytes", None)
     return {
         **result,
@@ -136,6 +134,12 @@ def run_defaults(mode: str, size: str, out: str, accelerator: str, devices: int)
     return {"fit_s": time.perf_counter() - started} if trainer.is_global_zero else {}
 
 
+#: How long the controller's CPU time is measured on an idle mesh (``run_controller_cpu``).
+IDLE_S = 10.0
+#: The two fits whose difference is the measured batches (``run_controller_cpu``).
+_CONTROLLER_CPU_STEPS = (50, 250)
+
+
 def run_controller_cpu(size: str, out: str, devices: int) -> dict[str, Any]:
     """The controller's CPU time per training batch under ``monarch`` (every thread of its process,
     Monarch's included): the difference between a 250-step and a 50-step ``fit`` on a warm mesh,
@@ -151,12 +155,12 @@ def run_controller_cpu(size: str, out: str, devices: int) -> dict[str, Any]:
     time.sleep(IDLE_S)
     idle_per_s = (_cpu_seconds() - before) / IDLE_S
     used, walls = [], []
-    for steps in (50, 250):
+    for steps in _CONTROLLER_CPU_STEPS:
         before, started = _cpu_seconds(), time.perf_counter()
         timed_fit("monarch", size, steps, out + f".{steps}", "cpu", devices, model_class=SleepingModel)
         walls.append(time.perf_counter() - started)
         used.append(_cpu_seconds() - before)
-    batches = 200
+    batches = _CONTROLLER_CPU_STEPS[1] - _CONTROLLER_CPU_STEPS[0]
     idle_share = idle_per_s * (walls[1] - walls[0])
     return {
         "controller_cpu_ms_per_batch": 1000 * (used[1] - used[0]) / batches,
@@ -165,10 +169,6 @@ def run_controller_cpu(size: str, out: str, devices: int) -> dict[str, Any]:
         "step_ms": 1000 * (walls[1] - walls[0]) / batches,
         "devices": devices,
     }
-
-
-#: How long the controller's CPU time is measured on an idle mesh (``run_controller_cpu``).
-IDLE_S = 10.0
 
 
 def _cpu_seconds() -> float:
