@@ -10,22 +10,17 @@ under ``MonarchFSDPStrategy``, sharded with FSDP2).
 In a process that Monarch launched for a worker mesh the package is imported for its shared
 modules and ``worker/`` only: nothing of the controller is installed there, and its modules are
 imported only if the user's own code asks for one of their names.
+
+``lightning_monarch.pl`` is this package for ``pytorch_lightning``: the same names, whose
+classes subclass ``pytorch_lightning``'s (:mod:`lightning_monarch.namespaces`). Both namespaces'
+strategy names are registered: ``pytorch_lightning``'s as soon as it is imported.
 """
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from lightning_monarch import namespaces  # noqa: F401 - makes lightning_monarch.pl importable
 from lightning_monarch._compat import monarch as monarch_compat
-from lightning_monarch.errors import (
-    DivergenceError,
-    HostsLostError,
-    MeshFailureError,
-    PreflightError,
-    RehearsalError,
-    UnreachableHostsError,
-    WorkerError,
-    WorkerTimeoutError,
-)
 
 __version__ = "0.1.0"
 
@@ -36,13 +31,37 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time, __get
     from lightning_monarch.controller.pool import stop_meshes
     from lightning_monarch.controller.rehearsal import RehearsalReport, rehearse
     from lightning_monarch.controller.stats import MeshStatsMonitor
+    from lightning_monarch.errors import (
+        DivergenceError,
+        HostsLostError,
+        MeshFailureError,
+        PreflightError,
+        RehearsalError,
+        UnreachableHostsError,
+        WorkerError,
+        WorkerTimeoutError,
+    )
     from lightning_monarch.fsdp import MonarchFSDPStrategy
     from lightning_monarch.strategy import MonarchStrategy
 
-#: The controller's public names, by the module that defines them. They are imported on first use
+#: The public names, by the module that defines them. They are imported on first use
 #: (:func:`__getattr__`), so that a worker that imports a user's module which imports one of them
-#: gets it without running the controller's install step.
-_CONTROLLER_NAMES = {
+#: gets it without running the controller's install step, and a worker of one namespace imports
+#: nothing of the other (``lightning_monarch.pl``'s workers no ``lightning.pytorch``).
+_PUBLIC_NAMES = {
+    **dict.fromkeys(
+        (
+            "DivergenceError",
+            "HostsLostError",
+            "MeshFailureError",
+            "PreflightError",
+            "RehearsalError",
+            "UnreachableHostsError",
+            "WorkerError",
+            "WorkerTimeoutError",
+        ),
+        "lightning_monarch.errors",
+    ),
     "MeshStatsMonitor": "lightning_monarch.controller.stats",
     "MonarchFSDPStrategy": "lightning_monarch.fsdp",
     "MonarchStrategy": "lightning_monarch.strategy",
@@ -76,10 +95,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """``lightning_monarch.MonarchStrategy`` and the other controller names, imported on first use."""
-    if name not in _CONTROLLER_NAMES:
+    """``lightning_monarch.MonarchStrategy`` and the other public names, imported on first use."""
+    if name not in _PUBLIC_NAMES:
         raise AttributeError(f"module 'lightning_monarch' has no attribute {name!r}")
-    return getattr(importlib.import_module(_CONTROLLER_NAMES[name]), name)
+    return getattr(importlib.import_module(_PUBLIC_NAMES[name]), name)
 
 
 if not monarch_compat.launched_by_monarch():

@@ -11,7 +11,8 @@ but ``serve``, which runs on each worker host.
 - ``preflight`` starts the mesh and checks every worker (``lightning_monarch.controller.preflight``).
 - ``benchmark`` times ``monarch`` against ``ddp`` on this machine (``lightning_monarch.benchmark``).
 - ``rehearse`` rehearses the ``fit`` of a LightningCLI config on its workers
-  (``lightning_monarch.rehearse``) and prints the report, as a table or as JSON.
+  (``lightning_monarch.rehearse``) and prints the report, as a table or as JSON; a config whose
+  classes are ``pytorch_lightning``'s runs in that namespace (``lightning_monarch.pl``).
 - ``convert`` turns a sharded checkpoint directory (``MonarchFSDPStrategy``) into one Lightning
   checkpoint file, in this process alone (``lightning_monarch.convert_sharded_checkpoint``).
 - ``serve`` makes this machine a worker host at an address, whose SIGTERM is a preemption notice
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -39,11 +41,12 @@ from typing import Any, Optional, Union
 
 import lightning as L
 import torch
+import yaml
 from lightning.fabric.accelerators.cuda import num_cuda_devices
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_monarch
-from lightning_monarch import host
+from lightning_monarch import host, namespaces
 from lightning_monarch.benchmark.compare import BenchmarkError, compare
 from lightning_monarch.benchmark.models import SIZES
 from lightning_monarch.controller import preflight
@@ -241,6 +244,8 @@ def _rehearse(args: argparse.Namespace) -> int:
 
     if not os.path.isfile(args.config):
         raise UsageError(f"--config {args.config}: no such file. Give the YAML config of a LightningCLI `fit`.")
+    if _namespace_of_config(args.config) not in (None, namespaces.namespace_of(__name__)):
+        return int(importlib.import_module(namespaces.counterpart(__name__))._rehearse(args))
     built = LightningCLI(args=["--config", args.config], run=False, save_config_callback=None)
     if not isinstance(built.trainer.strategy, MonarchStrategy):
         raise UsageError(
@@ -264,6 +269,23 @@ def _rehearse(args: argparse.Namespace) -> int:
         lightning_monarch.stop_meshes()
     print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
     return 0
+
+
+def _namespace_of_config(path: str) -> Optional[namespaces.Namespace]:
+    """The Lightning namespace of a LightningCLI config's ``model`` and ``data`` classes
+    (``pytorch_lightning``'s config is rehearsed by ``lightning_monarch.pl``'s copy of this
+    module); ``None`` where the config names no class."""
+    with open(path) as file:
+        config = yaml.safe_load(file) or {}
+    for section in ("model", "data"):
+        named = config.get(section) if isinstance(config, dict) else None
+        class_path = named.get("class_path") if isinstance(named, dict) else named
+        if isinstance(class_path, str) and "." in class_path:
+            module, _, name = class_path.rpartition(".")
+            found = namespaces.namespace_of_class(getattr(importlib.import_module(module), name))
+            if found is not None:
+                return found
+    return None
 
 
 def _convert(args: argparse.Namespace) -> int:

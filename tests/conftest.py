@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import lightning_monarch  # noqa: F401 - registers strategy="monarch"
-from lightning_monarch.controller.pool import MESHES
+from lightning_monarch.controller.pool import MESHES, other_namespace_pool
 from lightning_monarch.devices import VISIBILITY_VARS
 from tests.parity_cases import environment_for_ddp
 from tests.served_hosts import ROOT
@@ -64,8 +64,9 @@ def probe_warm_workers(endpoint: str) -> list[Any]:
 
 
 def stray_workers() -> list[psutil.Process]:
-    """Worker processes that are not the warm mesh's."""
-    warm = set(MESHES.worker_pids())
+    """Worker processes that are not the warm mesh's (of either of Lightning's namespaces)."""
+    other = other_namespace_pool()
+    warm = set(MESHES.worker_pids()) | set(other.worker_pids() if other is not None else [])
     return [process for process in worker_processes() if process.pid not in warm]
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_monarch import namespaces
+
 log = logging.getLogger(__name__)
 
 #: How often Monarch checks that worker processes are alive; its default (about 10 s) leaves a
@@ -34,7 +36,9 @@ def install() -> None:
     3. ``Trainer(strategy="monarch")`` and ``"monarch_fsdp"`` are registered
        (``register_strategies``);
     4. ``Trainer(accelerator="gpu")`` under those strategies names the workers' GPUs, so that a
-       controller without a GPU accepts it (``WorkerGPUAccelerator``).
+       controller without a GPU accepts it (``WorkerGPUAccelerator``);
+    5. the same for ``pytorch_lightning``'s Trainer, by importing ``lightning_monarch.pl``, as soon
+       as ``pytorch_lightning`` is imported (:func:`lightning_monarch.namespaces.import_after`).
     """
     global _installed
     if _installed:
@@ -49,8 +53,9 @@ def install() -> None:
     monarch.actor.unhandled_fault_hook = _log_fault
     MonarchStrategy.register_strategies(StrategyRegistry)
     MonarchFSDPStrategy.register_strategies(StrategyRegistry)
-    lightning_compat.route_accelerator(_route_gpu_to_workers)
+    lightning_compat.route_accelerator(_check_flags)
     _installed = True
+    namespaces.import_after(namespaces.PYTORCH_LIGHTNING.pytorch, namespaces.PYTORCH_LIGHTNING.package)
 
 
 def _log_fault(failure: Any) -> None:
@@ -63,6 +68,28 @@ def _log_fault(failure: Any) -> None:
     already stopped mesh must not fail the next one.
     """
     log.debug("Monarch reported a worker mesh failure: %s", failure)
+
+
+def _check_flags(strategy: Any, accelerator: Any) -> Any:
+    """Every new Trainer's ``strategy`` and ``accelerator`` flags: a Monarch strategy of the other
+    Lightning namespace is refused with an error naming both (Lightning's own says only that it is
+    no strategy of this namespace; :func:`_refuse_other_namespace`), and the accelerator routed
+    (:func:`_route_gpu_to_workers`)."""
+    _refuse_other_namespace(strategy)
+    return _route_gpu_to_workers(strategy, accelerator)
+
+
+def _refuse_other_namespace(strategy: Any) -> None:
+    """A Monarch strategy made for the other namespace's Trainer is refused, naming both."""
+    kind = type(strategy)
+    ours, theirs = namespaces.namespace_of(__name__), namespaces.namespace_of_class(kind)
+    if kind.__module__.split(".")[0] == "lightning_monarch" and theirs not in (None, ours):
+        raise TypeError(
+            f"strategy={kind.__name__}(...) is {theirs.package}.{kind.__name__}, made for `{theirs.pytorch}`'s"
+            f" Trainer, and this Trainer is `{ours.pytorch}`'s: each of Lightning's namespaces has its own classes."
+            f" Use `{ours.package}.{kind.__name__}` with `{ours.pytorch}`, or pass the strategy by its name"
+            f" (strategy={strategy.strategy_name!r})."
+        )
 
 
 def _route_gpu_to_workers(strategy: Any, accelerator: Any) -> Any:

@@ -41,6 +41,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_monarch import namespaces
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.stats import MeshStatsMonitor
 from lightning_monarch.protocol import (
@@ -88,6 +89,7 @@ def observe_only(callback: C) -> C:
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 print(trainer.global_step, trainer.progress_bar_metrics.get("loss"))
     """
+    namespaces.refuse_other_namespace("observe_only", callback, __name__)
     kind = callback if isinstance(callback, type) else type(callback)
     if not (isinstance(kind, type) and issubclass(kind, Callback)):
         raise TypeError(

@@ -3,19 +3,23 @@
 Runs on the controller. Spawning a mesh takes seconds; a notebook user who calls ``fit``, then
 ``validate``, then ``fit`` again with a new Trainer should pay that once. A mesh goes back to the
 pool only after a stage that ended cleanly; after any failure it is stopped, so a broken or
-half-finished worker is never reused. One idle mesh is kept at a time. ``stop_meshes()`` stops
-it, and so does interpreter exit.
+half-finished worker is never reused. One idle mesh is kept at a time, in this process, whichever
+of Lightning's namespaces its Trainer was (``lightning_monarch.pl`` has a pool of its own, whose
+workers run ``pytorch_lightning``): a stage of one namespace stops the other's idle mesh first.
+``stop_meshes()`` stops both, and so does interpreter exit.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
 from monarch.actor import HostMesh
 
+from lightning_monarch import namespaces
 from lightning_monarch.controller.cells import blocks_the_cell
 from lightning_monarch.controller.mesh import WorkerMesh
 from lightning_monarch.controller.output import WorkerOutput
@@ -64,7 +68,11 @@ class MeshPool:
         self._stops_at_exit = False
 
     def acquire(self, key: MeshKey) -> WorkerMesh:
-        """The idle mesh if it matches ``key`` and still answers; else a new one."""
+        """The idle mesh if it matches ``key`` and still answers; else a new one. The other
+        namespace's idle mesh is stopped first."""
+        other = other_namespace_pool()
+        if other is not None:
+            other.stop()
         idle, self._idle = self._idle, None
         if idle is not None:
             idle_key, mesh = idle
@@ -118,11 +126,20 @@ class MeshPool:
 MESHES = MeshPool()
 
 
+def other_namespace_pool() -> Optional[MeshPool]:
+    """The pool of the other Lightning namespace's copy of this module, if it was imported."""
+    return getattr(sys.modules.get(namespaces.counterpart(__name__)), "MESHES", None)
+
+
 @blocks_the_cell
 def stop_meshes() -> None:
-    """Stop the warm worker mesh that ``strategy="monarch"`` keeps between stages, if any.
+    """Stop the warm worker mesh that ``strategy="monarch"`` keeps between stages, if any, in
+    either of Lightning's namespaces.
 
     The next ``fit``/``validate``/``test``/``predict`` then starts a new one. Interpreter exit
     stops it too.
     """
     MESHES.stop()
+    other = other_namespace_pool()
+    if other is not None:
+        other.stop()

@@ -30,6 +30,7 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule, Tr
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
+from lightning_monarch import namespaces
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller import arguments
 from lightning_monarch.errors import RehearsalError, WorkerError
@@ -154,6 +155,7 @@ def rehearse(
     ``memory_limit_gib``: the memory each rank may use, if less than its device's (on a CPU, its
     part of the host's: the host's memory over its workers). A rehearsal that fails raises ``RehearsalError``, naming the rank, the hook
     and its memory then. The ``fit`` that follows gives exactly what it gives without a rehearsal."""
+    namespaces.refuse_other_namespace("rehearse", trainer, __name__)
     strategy = trainer.strategy
     from lightning_monarch.strategy import MonarchStrategy  # which imports the launcher, which imports this
 

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_monarch import namespaces
 from lightning_monarch.controller import arguments
 from lightning_monarch.protocol import RankStats
 
@@ -148,6 +149,7 @@ class MeshStatsMonitor(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        namespaces.refuse_other_namespace(type(self).__name__, trainer, __name__)
         if not callable(getattr(trainer.strategy, "read_worker_stats", None)):  # a MonarchStrategy's reader
             raise MisconfigurationException(
                 f"`MeshStatsMonitor` reads the workers of `Trainer(strategy='monarch')` from its controller, and this"
