@@ -11,7 +11,7 @@ import lightning as L
 import torch
 import torch.distributed
 import torchmetrics
-from lightning.pytorch.callbacks import BasePredictionWriter, LambdaCallback
+from lightning.pytorch.callbacks import BasePredictionWriter, EarlyStopping, LambdaCallback
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
@@ -191,7 +191,7 @@ class SelfStoppingClassifier(Classifier):
     """Brings its own EarlyStopping through ``configure_callbacks``."""
 
     def configure_callbacks(self) -> list[L.Callback]:
-        return [L.pytorch.callbacks.EarlyStopping(monitor="val_loss", min_delta=0.5, patience=1)]
+        return [EarlyStopping(monitor="val_loss", min_delta=0.5, patience=1)]
 
 
 class TwoValLoaderClassifier(Classifier):

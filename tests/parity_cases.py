@@ -137,6 +137,12 @@ CASES: dict[str, Callable[[Path], Case]] = {
     # issue 14: what the correctness round found, and what the compatibility table claimed untested
     "no_optimizer": lambda out: Case(compat.NoOptimizerClassifier(), default_callbacks=False),
     "controller_collectives": lambda out: Case(models.Classifier(), {"max_epochs": 1}, [compat.CollectiveReader()]),
+    "top_k_last": lambda out: Case(
+        models.Classifier(),
+        {"max_epochs": 4},
+        [ModelCheckpoint(dirpath=str(out / "top_k"), monitor="val_loss", save_top_k=2, save_last=True)],
+        default_callbacks=False,
+    ),
     "checkpoint_every_n_steps": lambda out: Case(
         models.Classifier(),
         callbacks=[ModelCheckpoint(dirpath=str(out / "steps"), every_n_train_steps=3, save_top_k=-1)],

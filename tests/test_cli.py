@@ -1,4 +1,5 @@
-"""``strategy="monarch"`` and ``MonarchStrategy`` work from a LightningCLI YAML config."""
+"""``strategy="monarch"`` and ``MonarchStrategy`` work from a LightningCLI YAML config and from its
+command line (``tests/test_pytorch_lightning.py`` runs these in ``pytorch_lightning``'s namespace)."""
 
 from __future__ import annotations
 
@@ -33,13 +34,17 @@ STRATEGIES = {
         "    init_args:\n"
         "      process_group_backend: gloo\n"
     ),
+    "command line": "",
 }
+#: What the command line adds to the config, per form.
+ARGUMENTS = {"command line": ["--trainer.strategy", "monarch"]}
 
 
 @pytest.mark.parametrize("form", list(STRATEGIES))
 def test_cli_config(form: str, tmp_path: Path) -> None:
     config = tmp_path / "config.yaml"
     config.write_text(TRAINER + STRATEGIES[form])
-    cli = LightningCLI(Classifier, args=["fit", "--config", str(config)], save_config_callback=None)
+    arguments = ["fit", "--config", str(config), *ARGUMENTS.get(form, [])]
+    cli = LightningCLI(Classifier, args=arguments, save_config_callback=None)
     assert isinstance(cli.trainer.strategy, MonarchStrategy)
     assert cli.trainer.global_step == 2

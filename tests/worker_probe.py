@@ -1,7 +1,8 @@
 """An actor that reports on the worker process it is spawned in: what it imported and installed
 (``test_layout.py``), and what its garbage collector walks (``test_warm_mesh.py``).
 
-It imports nothing of lightning_monarch itself, so that what it finds is what the worker's own
+It imports nothing of lightning_monarch but what every worker has (the package root and its
+namespace finder, through ``tests/__init__``), so that what it finds is what the worker's own
 start-up and stages imported.
 """
 
@@ -11,6 +12,7 @@ import gc
 import sys
 from typing import Any
 
+from lightning.pytorch import Callback
 from monarch.actor import Actor, endpoint
 
 #: Modules that only the controller may import.
@@ -20,6 +22,10 @@ CONTROLLER_MODULES = (
     "lightning_monarch.fsdp",
     "lightning_monarch.cli",
 )
+
+#: The top-level package of this module's Lightning namespace: ``lightning``, or under ``tests.pl``
+#: ``pytorch_lightning``.
+LIGHTNING_PACKAGE = Callback.__module__.split(".")[0]
 
 
 def side_effects() -> dict[str, Any]:
@@ -34,6 +40,7 @@ def side_effects() -> dict[str, Any]:
         "registered": "monarch" in StrategyRegistry,
         "fault_hook": monarch.actor.unhandled_fault_hook.__module__,
         "accelerator_routed": getattr(_AcceleratorConnector.__init__, "__lightning_monarch__", False),
+        "lightning_packages": sorted({name.split(".")[0] for name in sys.modules} & {"lightning", "pytorch_lightning"}),
     }
 
 
