@@ -39,6 +39,8 @@ from typing import Any, Optional
 
 #: The name of a mirrored package's copy for ``pytorch_lightning``, under the package.
 SUFFIX = "pl"
+#: The top-level packages of Lightning's two namespaces.
+_LIGHTNING_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ def namespace_of_class(cls: type) -> Optional[Namespace]:
     """The namespace whose Lightning classes ``cls`` derives from, if any."""
     for base in cls.__mro__:
         top = base.__module__.split(".")[0]
-        if top in ("lightning", "lightning_fabric", "pytorch_lightning"):
+        if top in _LIGHTNING_PACKAGES:
             return LIGHTNING if top == "lightning" else PYTORCH_LIGHTNING
     return None
 
@@ -124,16 +126,14 @@ class ImportGraph:
                     parts.pop()
                     self.packages.add(".".join(parts))
                 self.files[".".join(parts)] = path
-        imports = {name: set(self._imports(name, path)) for name, path in self.files.items()}
+        imports = {name: set(self._imports(path)) for name, path in self.files.items()}
         self.mirrored: set[str] = set()
         changed = True
         while changed:  # until no module is added: a module needs a copy if one it imports does
             before = len(self.mirrored)
             for name, needs in imports.items():
                 if name not in self.mirrored and any(
-                    need.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric")
-                    or need in self.mirrored
-                    for need in needs
+                    need.split(".")[0] in _LIGHTNING_PACKAGES or need in self.mirrored for need in needs
                 ):
                     self.mirrored.add(name)
             for package in self.packages:  # ``from package import module`` needs the package's copy
@@ -141,8 +141,9 @@ class ImportGraph:
                     self.mirrored.add(package)
             changed = len(self.mirrored) != before
 
-    def _imports(self, name: str, path: Path) -> Iterable[str]:
-        """The modules that ``name``'s file imports, anywhere in it (in functions too)."""
+    @staticmethod
+    def _imports(path: Path) -> Iterable[str]:
+        """The modules that the file at ``path`` imports, anywhere in it (in functions too)."""
         for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
             if isinstance(node, ast.Import):
                 yield from (alias.name for alias in node.names)

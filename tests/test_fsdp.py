@@ -7,6 +7,7 @@ tolerance, not bit for bit.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -307,3 +308,18 @@ def test_a_module_without_policy_is_sharded_whole_with_one_warning(tmp_path: Pat
 def test_registered_name() -> None:
     trainer = _trainer("monarch_fsdp")
     assert type(trainer.strategy) is MonarchFSDPStrategy
+
+
+class RecordsThreads(TokenTransformer):
+    def on_fit_start(self) -> None:
+        self.threads = torch.get_num_threads()
+
+
+def test_sharded_workers_get_the_threads_lightnings_launcher_gives_a_rank() -> None:
+    """On fresh workers, as on a ``ddp`` or ``ModelParallelStrategy`` rank that Lightning launched:
+    the host's CPUs shared out over its 2 workers (``ModelParallelStrategy`` under torchrun's
+    environment sets none; a warm worker had them from its DDP stages, a replacement did not)."""
+    lightning_monarch.stop_meshes()
+    model = RecordsThreads()
+    _trainer(MonarchFSDPStrategy(fsdp_policy=POLICY)).fit(model)
+    assert model.threads == max(1, len(os.sched_getaffinity(0)) // 2)

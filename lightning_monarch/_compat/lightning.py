@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.data import has_len
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
 from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
@@ -57,6 +58,7 @@ __all__ = [
     "set_lightning_module",
     "set_precision_plugin",
     "set_rng_states",
+    "set_threads_as_launched",
     "skip_batches",
     "stage_of",
     "stepped_this_batch",
@@ -436,6 +438,18 @@ def checkpoint_schedule(callback: Any) -> tuple[int, Any]:
 def checkpoint_every_n_epochs(callback: Any) -> int:
     """A ``ModelCheckpoint``'s ``every_n_epochs``, as it keeps it (0 when it saves by steps or time)."""
     return callback._every_n_epochs
+
+
+def set_threads_as_launched(processes_per_host: int) -> None:
+    """Give this process the intra-op threads that Lightning's launchers give each of
+    ``processes_per_host`` ranks (the host's CPUs shared out, unless ``OMP_NUM_THREADS`` is set).
+
+    A worker's ``DDPStrategy`` would set them at its first stage, through its launcher, but
+    ``ModelParallelStrategy`` under torchrun's environment has no launcher: without this, a sharded
+    stage ran with every CPU's threads in a fresh worker and one in a worker that had run a DDP
+    stage, and its arithmetic differed between the two.
+    """
+    _set_num_threads_if_needed(num_processes=processes_per_host)
 
 
 def route_accelerator(choose: Callable[[Any, Any], Any]) -> None:

@@ -111,7 +111,7 @@ class WorkerMesh:
         self._per_host = per_host
         self._output = output
         self._bootstrap = functools.partial(
-            start_worker_process, f"lightning_monarch-{uuid.uuid4().hex[:12]}", gpu_indices, hold_warnings
+            start_worker_process, f"lightning_monarch-{uuid.uuid4().hex[:12]}", per_host, gpu_indices, hold_warnings
         )
         #: The worker processes, their actors and ranks; ``None`` once stopped.
         self._world: Optional[WorkerWorld] = None

@@ -4,6 +4,8 @@ Runs once in each worker process, as Monarch's proc bootstrap (``HostMesh.spawn_
 before any actor of ours and before anything touches a GPU. It makes the process what a
 ``torchrun`` rank is, with one GPU of its own:
 
+- Its intra-op threads are those a Lightning launcher gives a rank (the host's CPUs over its
+  workers, unless ``OMP_NUM_THREADS`` is set), whatever strategy its stages run.
 - ``TORCHELASTIC_RUN_ID`` is set, as torchrun sets it. The ranks (``RANK``, ``LOCAL_RANK``,
   ``WORLD_SIZE``, ...) come later, from the controller (:func:`torch_elastic_env`), but not this;
   Lightning reads it to know
@@ -33,6 +35,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.actor import current_rank
 
+from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.devices import pin
 from lightning_monarch.protocol import WorldSpec, worker_backend
 from lightning_monarch.worker.held_warnings import HELD
@@ -47,12 +50,16 @@ LOCAL_DIMENSION = "gpus"
 pinning_problem: Optional[str] = None
 
 
-def start_worker_process(run_id: str, gpu_indices: Optional[tuple[int, ...]], hold_warnings: bool) -> None:
-    """Monarch's bootstrap of one worker process: the elastic run ID, SIGTERM ignored where the host
-    takes it as a preemption notice, the warnings held for the controller (``hold_warnings``) and,
-    for GPU workers (``gpu_indices``: the ``devices=...`` index of each local rank), the pinned device."""
+def start_worker_process(
+    run_id: str, per_host: int, gpu_indices: Optional[tuple[int, ...]], hold_warnings: bool
+) -> None:
+    """Monarch's bootstrap of one worker process: the elastic run ID, the threads a Lightning
+    launcher gives each of ``per_host`` ranks, SIGTERM ignored where the host takes it as a
+    preemption notice, the warnings held for the controller (``hold_warnings``) and, for GPU
+    workers (``gpu_indices``: the ``devices=...`` index of each local rank), the pinned device."""
     global pinning_problem
     os.environ[RUN_ID_VARIABLE] = run_id
+    lightning_compat.set_threads_as_launched(per_host)
     ignore_sigterm()
     if hold_warnings:
         HELD.install()
