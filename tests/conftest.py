@@ -26,9 +26,12 @@ from tests.served_hosts import ROOT
 
 #: Every process of this test run carries this marker in its environment, which Monarch's worker
 #: processes inherit: a worker left behind is found even after it was re-parented (its controller
-#: killed), which a search of this process's children would miss.
+#: killed), which a search of this process's children would miss. Each of pytest-xdist's worker
+#: processes has its own (their suffix), so that one's leak check never counts the other's meshes.
 RUN_MARKER = "LIGHTNING_MONARCH_TEST_RUN"
-os.environ.setdefault(RUN_MARKER, uuid.uuid4().hex)
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if not os.environ.get(RUN_MARKER, "").endswith(f"/{_XDIST_WORKER}"):
+    os.environ[RUN_MARKER] = f"{uuid.uuid4().hex}/{_XDIST_WORKER}"
 
 
 def worker_processes() -> list[psutil.Process]:

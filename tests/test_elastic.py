@@ -70,16 +70,28 @@ class KillHost(L.Callback):
         self.pids_at_end = trainer.strategy.worker_pids
 
 
-def _ddp_reference(out_dir: Path, sequence: str) -> dict[str, Any]:
-    for index in range(len(elastic_runs.SEQUENCES[sequence])):
-        subprocess.run(
-            [sys.executable, "-m", "tests.elastic_runs", str(out_dir), sequence, str(index)],
-            cwd=ROOT,
-            env=environment_for_ddp(),
-            check=True,
-            timeout=240,
-        )
-    return torch.load(out_dir / "results.pt", weights_only=False)
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
+    """Lightning's ``ddp`` on a sequence, stopped and resumed as ``elastic_runs`` says: what its
+    last run saved, and its ``directory``. Each sequence runs once per module: three tests compare
+    with ``shrink``."""
+    done: dict[str, dict[str, Any]] = {}
+
+    def reference(sequence: str) -> dict[str, Any]:
+        if sequence not in done:
+            out_dir = tmp_path_factory.mktemp(f"ddp-{sequence}")
+            for index in range(len(elastic_runs.SEQUENCES[sequence])):
+                subprocess.run(
+                    [sys.executable, "-m", "tests.elastic_runs", str(out_dir), sequence, str(index)],
+                    cwd=ROOT,
+                    env=environment_for_ddp(),
+                    check=True,
+                    timeout=240,
+                )
+            done[sequence] = {**torch.load(out_dir / "results.pt", weights_only=False), "directory": out_dir}
+        return done[sequence]
+
+    return reference
 
 
 def _fit_elastic(
@@ -115,15 +127,15 @@ def _assert_same_run(ours: dict[str, Any], reference: dict[str, Any], out_dir: P
     assert ours["current_epoch"] == reference["current_epoch"]
     assert ours["callback_metrics"] == reference["callback_metrics"]
     assert_same_checkpoint(
-        out_dir / "monarch" / "checkpoints" / "last.ckpt", out_dir / "ddp" / "checkpoints" / "last.ckpt"
+        out_dir / "monarch" / "checkpoints" / "last.ckpt", reference["directory"] / "checkpoints" / "last.ckpt"
     )
     assert WORLD_SIZE_METRIC in ours["csv"].splitlines()[0] and ACCUMULATION_METRIC in ours["csv"].splitlines()[0]
 
 
 def test_a_fit_that_loses_a_host_ends_as_ddp_stopped_at_the_resume_point_and_resumed_on_fewer(
-    tmp_path: Path, caplog: Any
+    tmp_path: Path, caplog: Any, ddp_reference: Callable[[str], dict[str, Any]]
 ) -> None:
-    reference = _ddp_reference(tmp_path / "ddp", "shrink")
+    reference = ddp_reference("shrink")
     job = ProcessJob({"hosts": 2})
     killer = KillHost(rank=1, step=KILL_AT_STEP)
     try:
@@ -155,8 +167,10 @@ class KillSurvivor(L.Callback):
             os.kill(self.killed, signal.SIGKILL)
 
 
-def test_a_worker_that_dies_after_a_shrink_is_replaced_on_the_hosts_left(tmp_path: Path, caplog: Any) -> None:
-    reference = _ddp_reference(tmp_path / "ddp", "shrink")
+def test_a_worker_that_dies_after_a_shrink_is_replaced_on_the_hosts_left(
+    tmp_path: Path, caplog: Any, ddp_reference: Callable[[str], dict[str, Any]]
+) -> None:
+    reference = ddp_reference("shrink")
     job = ProcessJob({"hosts": 2})
     killer = KillHost(rank=1, step=KILL_AT_STEP)
     survivor = KillSurvivor(step=20)  # in epoch 3, after its snapshot
@@ -175,11 +189,11 @@ def test_a_worker_that_dies_after_a_shrink_is_replaced_on_the_hosts_left(tmp_pat
 
 
 def test_a_host_back_at_the_same_address_is_refused_by_monarch_and_the_run_goes_on_without_it(
-    tmp_path: Path, caplog: Any
+    tmp_path: Path, caplog: Any, ddp_reference: Callable[[str], dict[str, Any]]
 ) -> None:
     """Monarch 0.7 refuses a host process restarted at an address this controller talked to
     (meta-pytorch/monarch#4310): the controller says so once, with the fix, and goes on."""
-    reference = _ddp_reference(tmp_path / "ddp", "shrink")
+    reference = ddp_reference("shrink")
     hosts = [ServedHost(), ServedHost()]
     killer = KillHost(rank=1, step=KILL_AT_STEP, then=hosts[1].start)  # the same address
     try:
@@ -200,9 +214,9 @@ def test_a_host_back_at_the_same_address_is_refused_by_monarch_and_the_run_goes_
 
 
 def test_a_lost_host_that_serves_again_rejoins_at_the_next_epoch_as_ddp_resumed_on_more_would(
-    tmp_path: Path, caplog: Any
+    tmp_path: Path, caplog: Any, ddp_reference: Callable[[str], dict[str, Any]]
 ) -> None:
-    reference = _ddp_reference(tmp_path / "ddp", "shrink_and_grow")
+    reference = ddp_reference("shrink_and_grow")
     hosts = [ServedHost(), ServedHost()]
     started = list(hosts)
 
@@ -253,9 +267,9 @@ class StepsAndPids(L.Callback):
 
 
 def test_a_preemption_notice_shrinks_the_world_at_the_next_step_end_with_no_step_redone(
-    tmp_path: Path, caplog: Any
+    tmp_path: Path, caplog: Any, ddp_reference: Callable[[str], dict[str, Any]]
 ) -> None:
-    reference = _ddp_reference(tmp_path / "ddp", "preempt")
+    reference = ddp_reference("preempt")
     hosts = [ServedHost(notices=True), ServedHost(notices=True)]
     recorder = StepsAndPids()
     # host 1's processes get SIGTERM at the end of step 15; its workers see the notice at step 16's

@@ -30,9 +30,12 @@ from tests.pl import models as pl_models
 from tests.pl import test_cli as pl_cli
 from tests.pl import test_fsdp as pl_fsdp
 from tests.pl import test_layout as pl_layout
+from tests.pl import test_mesh_stats as pl_mesh_stats
 from tests.pl import test_parity as pl_parity
+from tests.pl import test_preflight as pl_preflight
 from tests.pl import test_recovery as pl_recovery
 from tests.pl import test_rehearsal as pl_rehearsal
+from tests.pl import test_run_ahead as pl_run_ahead
 from tests.pl import test_stages as pl_stages
 from tests.pl.conftest import run_ddp_reference
 from tests.pl.parity_cases import CASES
@@ -110,7 +113,21 @@ def test_a_fit_after_a_rehearsal_equals_a_fit_without_one(tmp_path: Path) -> Non
     pl_rehearsal.test_a_fit_after_a_rehearsal_equals_a_fit_without_one(tmp_path, pl_rehearsal.Classifier, False)
 
 
+def test_mesh_stats_monitor_names_a_straggler(tmp_path: Path) -> None:
+    pl_mesh_stats.test_a_straggler_is_named(pl_mesh_stats.StragglerClassifier, tmp_path)
+
+
+def test_preflight_gives_every_problem_of_every_worker_in_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    pl_preflight.test_every_problem_of_every_worker_in_one_error(monkeypatch)
+
+
+def test_the_workers_lead_by_max_ahead_batches_at_most() -> None:
+    pl_run_ahead.test_the_workers_lead_by_max_ahead_batches_at_most(3)
+
+
 def test_workers_run_pytorch_lightning_and_import_no_controller_module(tmp_path: Path) -> None:
+    # on new workers: those of the tests above unpickled test modules that import controller modules
+    lightning_monarch.stop_meshes()
     pl_layout.test_workers_import_no_controller_module_and_install_nothing(tmp_path)
 
 

@@ -33,7 +33,7 @@ commit=$(cat .gpu/commit 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo u
 cat "$out/machine.txt"
 
 echo "== tests/gpu ($(($(date +%s) - started)) s)"
-timeout 330 "$python" -m pytest tests/gpu -v -rA -s -p no:cacheprovider --junitxml="$out/tests.xml" 2>&1 | tee "$out/tests.log"
+timeout 330 "$python" -m pytest tests/gpu -o addopts="" -v -rA -s -p no:cacheprovider --junitxml="$out/tests.xml" 2>&1 | tee "$out/tests.log"
 
 for size in small medium; do
   echo "== benchmark $size ($(($(date +%s) - started)) s)"
