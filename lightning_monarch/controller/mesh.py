@@ -279,7 +279,7 @@ class WorkerMesh:
         entries = decode(answer)
         if entries and entries[-1].failure is not None:
             try:
-                self._raise_if_a_death_caused(entries[-1].failure, self._workers.status.stream())
+                self._raise_if_a_death_caused(entries[-1].failure)
             except MeshFailureError as death:
                 if len(entries) == 1:
                     raise
@@ -297,7 +297,7 @@ class WorkerMesh:
         except SupervisionError as error:
             self._raise_death(error)
         if status.failure is not None:
-            self._raise_if_a_death_caused(status.failure, self._workers.status.stream())
+            self._raise_if_a_death_caused(status.failure)
             raise WorkerError(status.failure)
         statuses[status.rank] = status
         return True
@@ -497,31 +497,48 @@ class WorkerMesh:
             raise
         return values
 
-    def _raise_if_a_death_caused(self, failure: WorkerFailure, pending: Iterable[Any]) -> None:
+    def _raise_if_a_death_caused(self, failure: WorkerFailure, pending: Optional[Iterable[Any]] = None) -> None:
         """Raise ``MeshFailureError`` if a worker's death caused ``failure``: a peer's death shows
         first as a survivor's collective error. On this host the process watch names the dead rank
         at once; on other hosts Monarch's supervision does, seconds later, in one of ``pending``
-        (answers not taken yet)."""
+        (answers not taken yet). Without ``pending`` every rank is asked its status, which a live
+        worker answers at once: a rank that does not answer within the grace is named as dead
+        too, since Monarch may report a lost host in another way, or later."""
         self._raise_if_dead()
-        if not self._watch.watches_all and _PEER_LOST.search(failure.message):
+        if self._watch.watches_all or not _PEER_LOST.search(failure.message):
+            return
+        if pending is not None:
             self._raise_if_supervision_reports(pending)
+            return
+        answered = self._raise_if_supervision_reports(self._workers.status.stream())
+        silent = tuple(rank for rank in range(self.num_workers) if rank not in answered)
+        if silent:
+            raise MeshFailureError(
+                f"Worker ranks {list(silent)} stopped answering after rank {failure.rank} lost its connection"
+                f" to a peer: their processes died, or their hosts. Rank {failure.rank} raised:"
+                f" {failure.message.splitlines()[0]}",
+                silent,
+            )
 
-    def _raise_if_supervision_reports(self, pending: Iterable[Any]) -> None:
+    def _raise_if_supervision_reports(self, pending: Iterable[Any]) -> set[Optional[int]]:
         """Wait up to :data:`_SUPERVISION_GRACE_S` for the ranks that have not answered; raise
-        ``MeshFailureError`` if Monarch's supervision reports one of them dead meanwhile."""
+        ``MeshFailureError`` if Monarch's supervision reports one of them dead meanwhile. Returns
+        the ranks that answered."""
         deadline = time.monotonic() + _SUPERVISION_GRACE_S
+        answered: set[Optional[int]] = set()
         for future in pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                return
+                break
             try:
-                future.get(timeout=left)
+                answered.add(getattr(future.get(timeout=left), "rank", None))
             except SupervisionError as error:
                 raise self._died(error) from error
             except TimeoutError:
-                return
+                break
             except Exception:  # another survivor's error: the death may still be reported
                 continue
+        return answered
 
     def _raise_death(self, error: Exception) -> NoReturn:
         """Raise the death that Monarch's supervision ``error`` reports: as the process watch saw
