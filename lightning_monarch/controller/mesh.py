@@ -297,7 +297,9 @@ class WorkerMesh:
         except SupervisionError as error:
             self._raise_death(error)
         if status.failure is not None:
-            self._raise_if_a_death_caused(status.failure)
+            # rank 0's fetch is in flight, and rank 0 answers nothing else until it returns: its
+            # silence here says nothing of its process, so only Monarch's report names a death
+            self._raise_if_a_death_caused(status.failure, self._workers.status.stream())
             raise WorkerError(status.failure)
         statuses[status.rank] = status
         return True
