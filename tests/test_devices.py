@@ -242,7 +242,9 @@ class _Sleeper(Actor):
 
 
 def test_a_death_on_another_host_is_named_by_its_global_rank() -> None:
-    """Monarch's own report of a process killed on host 1 (of 2, one worker each) names global rank 1."""
+    """Monarch's own report of a process killed on host 1 (of 2, one worker each) names global rank 1,
+    or, where Monarch's query of the host's agent timed out first (a loaded machine), no rank: the
+    error then says "A worker", never another rank."""
     job = ProcessJob({"hosts": 2})
     try:
         procs = job.state(cached_path=None).hosts.spawn_procs(per_host={"gpus": 1})
@@ -254,5 +256,9 @@ def test_a_death_on_another_host_is_named_by_its_global_rank() -> None:
             waiting.get(timeout=60)
     finally:
         job.kill()
-    assert "'hosts': 1/2, 'gpus': 0/1" in str(failure.value)
-    assert failed_rank(str(failure.value)) == 1
+    report = str(failure.value)
+    if "timeout waiting for message from proc mesh agent" in report:
+        assert failed_rank(report) is None
+    else:
+        assert "'hosts': 1/2, 'gpus': 0/1" in report
+        assert failed_rank(report) == 1

@@ -265,7 +265,6 @@ class WorkerMesh:
         while True:
             try:
                 answer = self._check(future.get(timeout=POLL_S))
-                break
             except TimeoutError:
                 self._raise_if_dead()
                 pending = [status for status in pending if not self._took_status(status, statuses)]
@@ -276,6 +275,12 @@ class WorkerMesh:
                     pending.extend(self._workers.status.stream())
             except SupervisionError as error:
                 self._raise_death(error)
+            else:
+                if not isinstance(answer, RankStatus):
+                    break
+                statuses[0] = answer  # rank 0's batch in progress has not ended: ask again
+                self._count("fetch", (), 1)
+                future = self._rank0.fetch.call_one()
         entries = decode(answer)
         if entries and entries[-1].failure is not None:
             try:
@@ -306,8 +311,9 @@ class WorkerMesh:
 
     def _ahead_of_the_rest(self, progress: int, statuses: dict[int, RankStatus]) -> list[int]:
         """The ranks that got further than the rest (by gates done), when the others have answered:
-        the ranks that stay behind are the ones to name if the wait times out."""
-        done = {0: progress, **{rank: status.gates for rank, status in statuses.items() if rank != 0}}
+        the ranks that stay behind are the ones to name if the wait times out. Rank 0 got as far as
+        its entries reach (``progress``), or further where its fetch answered with its status."""
+        done = {0: progress, **{rank: status.gates for rank, status in statuses.items()}}
         if len(done) < self.num_workers or len(set(done.values())) == 1:
             return []
         least = min(done.values())

@@ -158,8 +158,9 @@ class MonarchWorker(Actor):
         return None
 
     @endpoint
-    def fetch(self) -> Union[bytes, WorkerFailure]:
-        """Rank 0's entries since the last fetch (R3), as one message (``codec``); waits for one."""
+    def fetch(self) -> Union[bytes, RankStatus, WorkerFailure]:
+        """Rank 0's entries since the last fetch (R3), as one message (``codec``); waits for one,
+        or answers with rank 0's status while its batch in progress does not end (``worker.loop``)."""
         if self._stage is None:
             return self._failure(RuntimeError("No stage was started on this worker before its first fetch."), None)
         return self._stage.fetch()

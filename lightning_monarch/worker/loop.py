@@ -63,6 +63,11 @@ FETCH_LINGER_S = 0.02
 #: a second one would only delay the controller (measured: 228 against 307 ms per controller-timed
 #: step of the large benchmark model, when every fetch lingered for more).
 FETCH_SPAN_S = 0.1
+#: How long a fetch waits for the batch in progress to end before it answers with this rank's
+#: status instead (``StageLoop.fetch``): a batch held in a collective that a stuck peer never
+#: joins never ends, and the controller, which names the ranks that stay behind when a wait
+#: times out, must see how far rank 0 got, not how far its last fetch reached.
+FETCH_STATUS_S = 1.0
 
 
 class StageAbandoned(BaseException):
@@ -147,7 +152,7 @@ class StageLoop:
         self._thread = threading.Thread(target=self._main, name="lightning-monarch-loop", daemon=True)
         self._thread.start()
 
-    def fetch(self) -> bytes:
+    def fetch(self) -> Union[bytes, RankStatus]:
         """Runs on the endpoint thread, rank 0: the entries recorded since the last fetch, as
         one message (``codec``). Waits until there is one, or the loop waits for the controller, or
         the stage ended (then the end entry comes last). Unless the controller needs what it has
@@ -158,13 +163,15 @@ class StageLoop:
         next one starts) and the first entry is :data:`FETCH_SPAN_S` old, so that it takes whole
         batches, a few per message, instead of one per gate. It returns whole batches where it has
         them (what the next batch recorded meanwhile waits for the next fetch), and everything
-        where the controller needs it."""
+        where the controller needs it. A batch in progress that has not ended within
+        :data:`FETCH_STATUS_S` gets this rank's status as the answer, and the entries wait."""
         with self._cond:
             self._cond.wait_for(lambda: self._entries or self._stuck() or self._ended is not None)
             if self._batch_interval < FETCH_LINGER_S:
                 linger = self._first_entry_at + FETCH_LINGER_S - time.monotonic()
             else:
-                self._cond.wait_for(lambda: self._whole > 0 or self._needed_now())
+                if not self._cond.wait_for(lambda: self._whole > 0 or self._needed_now(), timeout=FETCH_STATUS_S):
+                    return RankStatus(self._rank, self._gates)
                 linger = self._first_entry_at + FETCH_SPAN_S - time.monotonic()
             self._cond.wait_for(self._needed_now, timeout=linger)
             taken = len(self._entries) if self._needed_now() or not self._whole else self._whole
