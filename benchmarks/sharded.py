@@ -1,5 +1,6 @@
 """Sharded-workers benchmark: per-worker memory and time per step of ``MonarchFSDPStrategy``
-against ``ddp`` replicas, for one model too big to ignore.
+against ``ddp`` replicas, and of ``MonarchModelParallelStrategy`` (tensor parallel) against
+Lightning's ``ModelParallelStrategy`` with the same layout, for one model too big to ignore.
 
     python -m benchmarks.sharded [--reps 2] [--steps 12]
 
@@ -8,11 +9,14 @@ alike; the figures are medians:
 
 - ``monarch_fsdp``: ``MonarchFSDPStrategy(fsdp_policy={nn.Linear})``, 2 workers;
 - ``monarch``: ``strategy="monarch"`` (a DDP replica per worker), 2 workers;
-- ``ddp``: Lightning's ``strategy="ddp"``, 2 processes.
+- ``ddp``: Lightning's ``strategy="ddp"``, 2 processes;
+- ``monarch_model_parallel``: ``MonarchModelParallelStrategy`` at 1×2 (data × tensor): each pair of
+  layers split across the 2 workers, the first by columns, the second by rows;
+- ``model_parallel``: Lightning's ``ModelParallelStrategy`` with the same layout and plan, 2 processes.
 
 The model is a stack of wide Linear layers trained with Adam, built in ``configure_model`` as
-docs/fsdp.md advises for large models: on the meta device under sharding (each worker then
-allocates only its shards), in place under DDP. Rank 0 records:
+docs/large-models.md advises for large models: on the meta device under sharding and tensor
+parallelism (each worker then allocates only its shards), in place under DDP. Rank 0 records:
 
 - the tensors it holds when training ends: parameters, gradients and optimizer state (its shards
   under sharding), counted from the tensors themselves; about 1/N of a replica's under sharding;
@@ -41,15 +45,19 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_monarch import MonarchFSDPStrategy
+from lightning_monarch import MonarchFSDPStrategy, MonarchModelParallelStrategy
 from lightning_monarch.benchmark.measure import WARMUP_STEPS, peak_rss_mib, step_seconds
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODES = ("monarch_fsdp", "monarch", "ddp")
+MODES = ("monarch_fsdp", "monarch", "ddp", "monarch_model_parallel", "model_parallel")
+#: The tensor-parallel modes, and the layout both run: (data parallel, tensor parallel).
+TENSOR_PARALLEL, LAYOUT = ("monarch_model_parallel", "model_parallel"), (1, 2)
 #: 12 square layers of width 2048: 50.4 M parameters, 192 MiB in fp32.
 WIDTH, DEPTH, BATCH = 2048, 12, 16
 MIB = 2**20
@@ -73,6 +81,9 @@ class WideMLP(L.LightningModule):
         device = torch.device("meta") if self.device_mesh is not None else torch.device("cpu")
         with device:
             self.layers = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)))
+        if self.device_mesh is not None and self.device_mesh["tensor_parallel"].size() > 1:
+            plan = {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(DEPTH)}
+            parallelize_module(self.layers, self.device_mesh["tensor_parallel"], plan)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return nn.functional.mse_loss(self.layers(batch[0]), batch[1])
@@ -125,6 +136,10 @@ def _current_rss_mib() -> float:
 def _strategy(mode: str) -> Any:
     if mode == "monarch_fsdp":
         return MonarchFSDPStrategy(fsdp_policy={nn.Linear})
+    if mode == "monarch_model_parallel":
+        return MonarchModelParallelStrategy(*LAYOUT)
+    if mode == "model_parallel":
+        return ModelParallelStrategy(*LAYOUT)
     return mode
 
 
@@ -201,20 +216,25 @@ def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any
         }
         for mode in MODES
     }
-    fsdp = medians["monarch_fsdp"]
+
+    def ratios(ours: str, theirs: str) -> dict[str, float]:
+        return {
+            "state": medians[ours]["worker_state_mib"] / medians[theirs]["worker_state_mib"],
+            "model_memory": medians[ours]["worker_model_mib"] / medians[theirs]["worker_model_mib"],
+            "throughput": medians[theirs]["step_ms"] / medians[ours]["step_ms"],
+        }
+
     parameters = DEPTH * WIDTH * (WIDTH + 1)
     return {
         "parameters": parameters,
         # fp32 parameters, gradients and Adam's two moments
         "replica_state_mib": 4 * 4 * parameters / MIB,
         "medians": medians,
-        "ratios_fsdp_over": {
-            replica: {
-                "state": fsdp["worker_state_mib"] / medians[replica]["worker_state_mib"],
-                "model_memory": fsdp["worker_model_mib"] / medians[replica]["worker_model_mib"],
-                "throughput": medians[replica]["step_ms"] / fsdp["step_ms"],
-            }
-            for replica in ("monarch", "ddp")
+        "ratios": {
+            "monarch_fsdp over monarch": ratios("monarch_fsdp", "monarch"),
+            "monarch_fsdp over ddp": ratios("monarch_fsdp", "ddp"),
+            "monarch_model_parallel over model_parallel": ratios(*TENSOR_PARALLEL),
+            "monarch_model_parallel over ddp": ratios("monarch_model_parallel", "ddp"),
         },
     }
 
@@ -231,15 +251,16 @@ def table(summary: dict[str, Any]) -> str:
         f" | {m[mode]['worker_model_mib']:.0f} / {m[mode]['worker_model_mib_glibc_default']:.0f} |"
         for mode in MODES
     ]
-    lines += ["", "| monarch_fsdp over | state held | peak RSS above the start | throughput |", "|---|---|---|---|"]
+    lines += ["", "| ratio | state held | peak RSS above the start | throughput |", "|---|---|---|---|"]
     lines += [
-        f"| {replica} | {ratios['state']:.2f} | {ratios['model_memory']:.2f} | {ratios['throughput']:.2f} |"
-        for replica, ratios in summary["ratios_fsdp_over"].items()
+        f"| {pair} | {ratios['state']:.2f} | {ratios['model_memory']:.2f} | {ratios['throughput']:.2f} |"
+        for pair, ratios in summary["ratios"].items()
     ]
     lines += [
         "",
         f"{summary['parameters'] / 1e6:.1f} M parameters; fp32 parameters, gradients and Adam's two moments of a"
-        f" replica: {summary['replica_state_mib']:.0f} MiB. Per worker, rank 0; 2 workers.",
+        f" replica: {summary['replica_state_mib']:.0f} MiB. Per worker, rank 0; 2 workers; the tensor-parallel"
+        f" modes at {LAYOUT[0]}×{LAYOUT[1]} (data × tensor).",
     ]
     return "\n".join(lines)
 
@@ -251,7 +272,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     m = summary["medians"]
-    figure, (memory, speed) = plt.subplots(1, 2, figsize=(9, 4))
+    figure, (memory, speed) = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.4
     memory.bar(
         [i - width / 2 for i in range(len(MODES))],
@@ -265,11 +286,12 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         width,
         label="peak RSS above the start",
     )
-    memory.set_xticks(range(len(MODES)), MODES)
+    memory.set_xticks(range(len(MODES)), MODES, rotation=20, ha="right")
     memory.set_ylabel("MiB per worker")
     memory.set_ylim(0, 1.35 * max(m[mode]["worker_model_mib"] for mode in MODES))
     memory.legend()
     speed.bar(MODES, [m[mode]["step_ms"] for mode in MODES])
+    speed.tick_params(axis="x", labelrotation=20)
     speed.set_ylabel("ms per training step (median)")
     figure.suptitle(f"{summary['parameters'] / 1e6:.0f} M parameters, Adam, 2 workers on a 2-core CPU")
     figure.tight_layout()

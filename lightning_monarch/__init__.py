@@ -2,10 +2,11 @@
 
 ``import lightning_monarch`` makes your process the controller
 (:func:`lightning_monarch.controller.install.install`): it registers
-``Trainer(strategy="monarch")`` (:class:`MonarchStrategy`) and ``Trainer(strategy="monarch_fsdp")``
-(:class:`MonarchFSDPStrategy`). The controller runs Lightning's loops, callbacks, loggers and
-checkpoints once, while one Monarch worker per device runs the LightningModule with DDP (or,
-under ``MonarchFSDPStrategy``, sharded with FSDP2).
+``Trainer(strategy="monarch")`` (:class:`MonarchStrategy`),
+``Trainer(strategy="monarch_model_parallel")`` (:class:`MonarchModelParallelStrategy`) and
+``Trainer(strategy="monarch_fsdp")`` (:class:`MonarchFSDPStrategy`). The controller runs
+Lightning's loops, callbacks, loggers and checkpoints once, while one Monarch worker per device
+runs the LightningModule with DDP (or sharded: tensor parallel and FSDP2, or FSDP2 alone).
 
 In a process that Monarch launched for a worker mesh the package is imported for its shared
 modules and ``worker/`` only: nothing of the controller is installed there, and its modules are
@@ -42,6 +43,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time, __get
         WorkerTimeoutError,
     )
     from lightning_monarch.fsdp import MonarchFSDPStrategy
+    from lightning_monarch.model_parallel import MonarchModelParallelStrategy
     from lightning_monarch.strategy import MonarchStrategy
 
 #: The public names, by the module that defines them. They are imported on first use
@@ -64,6 +66,7 @@ _PUBLIC_NAMES = {
     ),
     "MeshStatsMonitor": "lightning_monarch.controller.stats",
     "MonarchFSDPStrategy": "lightning_monarch.fsdp",
+    "MonarchModelParallelStrategy": "lightning_monarch.model_parallel",
     "MonarchStrategy": "lightning_monarch.strategy",
     "WorkerGPUAccelerator": "lightning_monarch.controller.accelerator",
     "convert_sharded_checkpoint": "lightning_monarch.controller.checkpoints",
@@ -79,6 +82,7 @@ __all__ = [
     "MeshFailureError",
     "MeshStatsMonitor",
     "MonarchFSDPStrategy",
+    "MonarchModelParallelStrategy",
     "MonarchStrategy",
     "PreflightError",
     "RehearsalError",

@@ -13,7 +13,7 @@ but ``serve``, which runs on each worker host.
 - ``rehearse`` rehearses the ``fit`` of a LightningCLI config on its workers
   (``lightning_monarch.rehearse``) and prints the report, as a table or as JSON; a config whose
   classes are ``pytorch_lightning``'s runs in that namespace (``lightning_monarch.pl``).
-- ``convert`` turns a sharded checkpoint directory (``MonarchFSDPStrategy``) into one Lightning
+- ``convert`` turns a sharded checkpoint directory (the sharded strategies) into one Lightning
   checkpoint file, in this process alone (``lightning_monarch.convert_sharded_checkpoint``).
 - ``serve`` makes this machine a worker host at an address, whose SIGTERM is a preemption notice
   for elastic training (``lightning_monarch.host``).
@@ -373,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a sharded checkpoint directory to one checkpoint file",
         description=lightning_monarch.convert_sharded_checkpoint.__doc__.splitlines()[0],
     )
-    convert.add_argument("source", help="the sharded checkpoint directory (`MonarchFSDPStrategy`)")
+    convert.add_argument(
+        "source", help="the sharded checkpoint directory (`MonarchModelParallelStrategy`, `MonarchFSDPStrategy`)"
+    )
     convert.add_argument("destination", help="the single-file Lightning checkpoint to write")
     convert.set_defaults(run=_convert)
 

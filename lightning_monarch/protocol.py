@@ -272,11 +272,22 @@ GATES: dict[str, Gate] = _gate_table()
 
 @dataclass(frozen=True)
 class ShardingSpec:
-    """How the workers shard the module under ``MonarchFSDPStrategy``: with
-    FSDP2's ``fully_shard``, each instance of the ``policy`` module classes, then the root module,
-    after the module's own ``configure_model`` (which may shard it itself; see ``worker.sharding``).
-    The options apply to the ``fully_shard`` calls the workers make, not to the module's own."""
+    """How the workers shard the module under ``MonarchModelParallelStrategy``: on a device mesh
+    of ``mesh_shape``, in the module's own ``configure_model``; under ``MonarchFSDPStrategy``
+    (``wraps``) then with FSDP2's ``fully_shard``, each instance of the ``policy`` module classes,
+    then the root module (see ``worker.sharding``). The options apply to the ``fully_shard`` calls
+    the workers make, not to the module's own."""
 
+    #: The workers' device mesh, (data parallel, tensor parallel) sizes, as Lightning's
+    #: ``ModelParallelStrategy`` takes them.
+    mesh_shape: tuple[int, int] = (1, 1)
+    #: Whether the workers shard the module after its own ``configure_model`` (``MonarchFSDPStrategy``);
+    #: otherwise that hook applies every parallelism itself, as under Lightning's strategy.
+    wraps: bool = True
+    #: Whether a checkpoint is a directory of every rank's shards, or one file rank 0 writes.
+    save_distributed_checkpoint: bool = True
+    #: The workers' process-group timeout (a ``timedelta``), as Lightning's strategy takes it.
+    timeout: Optional[Any] = None
     policy: tuple[type, ...] = ()
     #: FSDP2's ``MixedPrecisionPolicy`` (a param and a reduce dtype), or ``None`` for none.
     mixed_precision: Optional[Any] = None

@@ -31,6 +31,7 @@ def test_the_docs_site_builds_strict_with_the_api_reference(tmp_path: Path) -> N
     api = (site / "api" / "index.html").read_text()
     for name in (
         "lightning_monarch.MonarchStrategy",
+        "lightning_monarch.MonarchModelParallelStrategy",
         "lightning_monarch.MonarchFSDPStrategy",
         "lightning_monarch.errors.WorkerError",
         "lightning_monarch.errors.PreflightError",

@@ -178,7 +178,7 @@ def test_activation_checkpointing_and_cpu_offload_train_as_without(
 class WideStack(L.LightningModule):
     """A stack of ``depth`` square Linear layers of ``width``, built in ``configure_model``: on the
     workers, so that the controller's module never holds their weights (the memory rule of
-    docs/fsdp.md). ``parameter_count`` is counted on the workers."""
+    docs/large-models.md). ``parameter_count`` is counted on the workers."""
 
     def __init__(self, width: int, depth: int) -> None:
         super().__init__()

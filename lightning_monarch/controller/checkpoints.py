@@ -1,4 +1,4 @@
-"""Sharded checkpoint directories under ``MonarchFSDPStrategy``, on the controller.
+"""Sharded checkpoint directories (``MonarchModelParallelStrategy``, ``MonarchFSDPStrategy``), on the controller.
 
 Runs on the controller, and the converter in any single process (no workers, no process group).
 A sharded checkpoint is a directory: the workers' shards in PyTorch's distributed checkpoint
@@ -103,7 +103,7 @@ def check_module_keys(path: Union[str, Path], module: nn.Module, strict: bool = 
 def convert_sharded_checkpoint(src_dir: Union[str, Path], dst_file: Union[str, Path]) -> None:
     """Write the sharded checkpoint directory ``src_dir`` as one Lightning checkpoint file, ``dst_file``.
 
-    ``src_dir`` comes from ``MonarchFSDPStrategy`` or Lightning's
+    ``src_dir`` comes from ``MonarchModelParallelStrategy``, ``MonarchFSDPStrategy`` or Lightning's
     ``ModelParallelStrategy``; the file is for inference: ``MyModel.load_from_checkpoint(dst_file)``.
 
     Runs in this process alone, on its CPU, with no worker: the full weights (and optimizer

@@ -33,7 +33,7 @@ def install() -> None:
     1. Monarch's supervision polls every second (:data:`SUPERVISION_POLL`, unless set already);
     2. Monarch's ``unhandled_fault_hook``, whose default exits the process, only logs
        (:func:`_log_fault`);
-    3. ``Trainer(strategy="monarch")`` and ``"monarch_fsdp"`` are registered
+    3. ``Trainer(strategy="monarch")``, ``"monarch_model_parallel"`` and ``"monarch_fsdp"`` are registered
        (``register_strategies``);
     4. ``Trainer(accelerator="gpu")`` under those strategies names the workers' GPUs, so that a
        controller without a GPU accepts it (``WorkerGPUAccelerator``);
@@ -48,11 +48,12 @@ def install() -> None:
 
     from lightning_monarch._compat import lightning as lightning_compat
     from lightning_monarch.fsdp import MonarchFSDPStrategy
+    from lightning_monarch.model_parallel import MonarchModelParallelStrategy
     from lightning_monarch.strategy import MonarchStrategy
 
     monarch.actor.unhandled_fault_hook = _log_fault
-    MonarchStrategy.register_strategies(StrategyRegistry)
-    MonarchFSDPStrategy.register_strategies(StrategyRegistry)
+    for strategy in (MonarchStrategy, MonarchModelParallelStrategy, MonarchFSDPStrategy):
+        strategy.register_strategies(StrategyRegistry)
     lightning_compat.route_accelerator(_check_flags)
     _installed = True
     namespaces.import_after(namespaces.PYTORCH_LIGHTNING.pytorch, namespaces.PYTORCH_LIGHTNING.package)
@@ -96,9 +97,14 @@ def _route_gpu_to_workers(strategy: Any, accelerator: Any) -> Any:
     """Under ``strategy="monarch"``, ``accelerator="gpu"``/``"cuda"`` names the workers' GPUs."""
     from lightning_monarch.controller.accelerator import WorkerGPUAccelerator
     from lightning_monarch.fsdp import MonarchFSDPStrategy
+    from lightning_monarch.model_parallel import MonarchModelParallelStrategy
     from lightning_monarch.strategy import MonarchStrategy
 
-    named = strategy in (MonarchStrategy.strategy_name, MonarchFSDPStrategy.strategy_name)
+    named = strategy in (
+        MonarchStrategy.strategy_name,
+        MonarchModelParallelStrategy.strategy_name,
+        MonarchFSDPStrategy.strategy_name,
+    )
     if (
         (named or isinstance(strategy, MonarchStrategy))
         and isinstance(accelerator, str)

@@ -518,6 +518,14 @@ class StageSession:
         self._channel.mesh.require_processes("Save them", "`trainer.save_checkpoint(path)`")
         return self._channel.ask_rank0("save_sharded_checkpoint", path, optimizers, everyone=True)
 
+    def save_full_checkpoint(self, path: str, metadata: dict[str, Any], optimizers: bool) -> None:
+        """Let the workers gather the sharded module's full state and rank 0 write it, with
+        ``metadata``, into the file ``path`` (``worker.checkpoints``), where they wait during the
+        stage, the final state after it."""
+        self._require_parked("a checkpoint")
+        self._channel.mesh.require_processes("Save them", "`trainer.save_checkpoint(path)`")
+        self._channel.ask_rank0("save_full_checkpoint", path, metadata, optimizers, everyone=True)
+
     @property
     def worker_pids(self) -> list[int]:
         """The process IDs of the workers, in rank order."""

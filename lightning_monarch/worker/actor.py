@@ -34,13 +34,13 @@ from lightning_monarch.protocol import (
     WorkerReport,
     WorldSpec,
 )
-from lightning_monarch.worker.checkpoints import save_shards
+from lightning_monarch.worker.checkpoints import save_full, save_shards
 from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.loop import StageLoop
 from lightning_monarch.worker.notices import noticed, serves_notices
 from lightning_monarch.worker.preflight import inspect_worker
 from lightning_monarch.worker.process import LOCAL_DIMENSION, leave_process_group, torch_elastic_env
-from lightning_monarch.worker.sharding import full_state_dict, is_sharded
+from lightning_monarch.worker.sharding import full_state_dict
 from lightning_monarch.worker.stage import build_stage
 from lightning_monarch.worker.stats import RankStatsReader, memory_in_use_mib
 from lightning_monarch.worker.storages import WorkerStorages
@@ -57,6 +57,8 @@ class MonarchWorker(Actor):
         self._stage: Optional[StageLoop] = None
         #: The last stage's module if it was sharded: its shards exist nowhere else.
         self._shards: Optional[LightningModule] = None
+        #: Whether the stage in progress shards its module (``MonarchModelParallelStrategy``).
+        self._sharded = False
         self._stats = RankStatsReader()
         #: The storages this process holds between stages, and those of the stage it starts.
         self._storages = WorkerStorages()
@@ -124,7 +126,7 @@ class MonarchWorker(Actor):
         if self._stage is not None:
             self._stage.join(timeout=5.0)
             module = self._stage.state.module  # None if the stage never ran
-            self._shards = module if module is not None and is_sharded(module) else None
+            self._shards = module if self._sharded else None
         self._stage = None
         gc.collect()
         if torch.cuda.is_initialized():
@@ -143,6 +145,7 @@ class MonarchWorker(Actor):
         if self._stage is not None:
             self._stage.join(timeout=5.0)
         kept, self._shards = self._shards, None
+        self._sharded = spec.trainer.sharding is not None
         try:
             self._storages.gather(
                 spec.parcels(),
@@ -236,6 +239,15 @@ class MonarchWorker(Actor):
         rank 0 returns its worker callbacks' state. Where the loop is parked, or after a sharded
         stage from the shards this worker kept."""
         return self._on_shards(lambda module: save_shards(module, path, optimizers), "sharded checkpoint")
+
+    @endpoint
+    def save_full_checkpoint(
+        self, path: str, metadata: dict[str, Any], optimizers: bool
+    ) -> Union[Optional[str], WorkerFailure]:
+        """This rank's part in writing a sharded module's checkpoint as one file ``path``: the full
+        state gathered, written by rank 0 with the controller's ``metadata`` (``worker.checkpoints``).
+        Where the loop is parked, or after a sharded stage from the shards this worker kept."""
+        return self._on_shards(lambda module: save_full(module, path, metadata, optimizers), "full checkpoint")
 
     def _on_shards(self, fn: Callable[[LightningModule], Any], what: str) -> Any:
         """Run ``fn`` on the sharded module: the running stage's, where its loop is parked, or

@@ -1,4 +1,5 @@
-"""Each rank's part of a sharded checkpoint under ``MonarchFSDPStrategy``.
+"""Each rank's part of a sharded module's checkpoint (``MonarchModelParallelStrategy``,
+``MonarchFSDPStrategy``).
 
 Runs in each worker process. Every rank writes its own shards, in parallel, in PyTorch's
 distributed checkpoint format (``torch.distributed.checkpoint``, DCP), with the keys of Lightning's
@@ -6,7 +7,9 @@ distributed checkpoint format (``torch.distributed.checkpoint``, DCP), with the 
 ``state_dict``, each optimizer's under ``optimizer_<i>``. The controller then writes Lightning's
 metadata (``meta.pt``) beside them, so the directory is the one ``ModelParallelStrategy`` writes.
 Loading needs nothing here: the worker's Trainer runs ``ModelParallelStrategy``, which loads (and
-reshards) such a directory given as ``ckpt_path``.
+reshards) such a directory given as ``ckpt_path``. With ``save_distributed_checkpoint=False`` the
+ranks gather the full state instead, as that strategy does, and rank 0 writes it with the
+controller's metadata into one file (:func:`save_full`).
 """
 
 from __future__ import annotations
@@ -40,3 +43,23 @@ def save_shards(module: LightningModule, path: str, optimizers: bool) -> Optiona
         )
     dcp.save(state, checkpoint_id=path)
     return callback_states(trainer) if torch.distributed.get_rank() == 0 else None
+
+
+def save_full(module: LightningModule, path: str, metadata: dict[str, Any], optimizers: bool) -> Optional[str]:
+    """Gather the sharded ``module``'s full state (and with ``optimizers``, each optimizer's), as
+    the rank's Lightning ``ModelParallelStrategy(save_distributed_checkpoint=False)`` collects it:
+    a collective that every rank joins. Rank 0 writes it into the file ``path`` with the
+    controller's ``metadata`` (Lightning's loops, callbacks, ...) and its worker callbacks' state,
+    and returns ``path``; the other ranks ``None``."""
+    trainer = module.trainer
+    strategy = trainer.strategy
+    checkpoint = {**metadata, "state_dict": strategy.lightning_module_state_dict()}
+    if optimizers:
+        checkpoint["optimizer_states"] = [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers]
+    if torch.distributed.get_rank() == 0:
+        callbacks = callback_states(trainer)
+        if callbacks:
+            checkpoint["callbacks"] = {**checkpoint.get("callbacks", {}), **callbacks}
+        torch.save(checkpoint, path)
+        return path
+    return None

@@ -1,12 +1,12 @@
-"""FSDP2 on a worker, for ``MonarchFSDPStrategy``.
+"""Sharded workers, for ``MonarchModelParallelStrategy`` and ``MonarchFSDPStrategy``.
 
 Runs in each worker process. The worker's Trainer uses Lightning's own ``ModelParallelStrategy``
-(FSDP2, ``torch.distributed.fsdp.fully_shard``) with one data-parallel dimension over all ranks
-and no tensor parallelism. The module is sharded where Lightning expects it, in
-``configure_model``: first the module's own hook runs (it may call ``fully_shard`` itself, on
-``self.device_mesh["data_parallel"]``), then the activation-checkpointing classes are wrapped, and
-the policy's module classes and the root are sharded with the strategy's mixed precision and CPU
-offload.
+on the controller's device mesh (data parallel × tensor parallel; ``MonarchFSDPStrategy``: one
+data-parallel dimension over all ranks). The module is sharded where Lightning expects it, in
+``configure_model``: the module's own hook runs (under ``MonarchModelParallelStrategy`` it applies
+tensor parallelism and ``fully_shard`` itself, as under Lightning); under ``MonarchFSDPStrategy``
+the activation-checkpointing classes are then wrapped, and the policy's module classes and the
+root are sharded with the strategy's mixed precision and CPU offload.
 """
 
 from __future__ import annotations
@@ -58,13 +58,17 @@ class OffloadedModelParallelStrategy(ModelParallelStrategy):
 
 
 def sharded_strategy(config: TrainerConfig, parallel_devices: Optional[list[torch.device]]) -> ModelParallelStrategy:
-    """Lightning's ``ModelParallelStrategy`` for this rank: every rank one data-parallel shard."""
-    assert config.sharding is not None
-    strategy_class = OffloadedModelParallelStrategy if config.sharding.cpu_offload else ModelParallelStrategy
+    """Lightning's ``ModelParallelStrategy`` for this rank, on the controller's device mesh."""
+    spec = config.sharding
+    assert spec is not None
+    strategy_class = OffloadedModelParallelStrategy if spec.cpu_offload else ModelParallelStrategy
+    data_parallel_size, tensor_parallel_size = spec.mesh_shape
     strategy = strategy_class(
-        data_parallel_size=config.devices * config.num_nodes,
-        tensor_parallel_size=1,
+        data_parallel_size=data_parallel_size,
+        tensor_parallel_size=tensor_parallel_size,
+        save_distributed_checkpoint=spec.save_distributed_checkpoint,
         process_group_backend=config.process_group_backend,
+        **({"timeout": spec.timeout} if spec.timeout is not None else {}),
     )
     strategy.cluster_environment = TorchElasticEnvironment()
     strategy.parallel_devices = parallel_devices
@@ -90,7 +94,16 @@ def shard_in_configure_model(module: LightningModule, spec: ShardingSpec, kept: 
     def configure_and_shard() -> None:
         if builds_submodules:
             configure_model()
-        shard(module, spec, warn=builds_submodules)
+        if spec.wraps:
+            shard(module, spec, warn=builds_submodules)
+        elif spec.mesh_shape[1] > 1 and not _tensor_parallel(module):
+            rank_zero_warn(
+                f"`MonarchModelParallelStrategy(tensor_parallel_size={spec.mesh_shape[1]})`: `{type(module).__name__}`"
+                " applied no tensor parallelism in `configure_model` (no parameter is a DTensor on"
+                " `self.device_mesh['tensor_parallel']`), so every rank of a tensor-parallel group computes the same"
+                " thing. Apply `parallelize_module(..., self.device_mesh['tensor_parallel'], plan)` there, or use"
+                " `tensor_parallel_size=1`."
+            )
         if spec.from_shards:
             load_kept_shards(module, kept)
 
@@ -160,6 +173,14 @@ def load_kept_shards(module: torch.nn.Module, kept: Optional[torch.nn.Module]) -
             _local(tensor).copy_(_local(theirs[name]))
 
 
+def _tensor_parallel(module: torch.nn.Module) -> bool:
+    """Whether a parameter of ``module`` is sharded over the mesh's tensor-parallel dimension."""
+    return any(
+        isinstance(parameter, DTensor) and "tensor_parallel" in (parameter.device_mesh.mesh_dim_names or ())
+        for parameter in module.parameters()
+    )
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a sharded parameter (a ``DTensor``), or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -182,11 +203,6 @@ def checkpoint_activations(
         for wrapper in module.modules()
         if isinstance(wrapper, torch_compat.CheckpointWrapper)
     }
-
-
-def is_sharded(module: torch.nn.Module) -> bool:
-    """Whether FSDP2 sharded ``module`` or one of its submodules."""
-    return any(isinstance(submodule, FSDPModule) for submodule in module.modules())
 
 
 def full_state_dict(module: torch.nn.Module) -> Optional[dict[str, Any]]:
