@@ -107,14 +107,13 @@ def fit(
     model = model_class()
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
         devices=devices,
         max_epochs=epochs + 1 if resume_from else epochs,
         enable_checkpointing=False,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        **flags,
+        **{"accelerator": "cpu", **flags},
     )
     trainer.fit(model, ckpt_path=resume_from)
     trainer.save_checkpoint(out_dir / "model.ckpt")

@@ -3,7 +3,8 @@
 # (16 cores), the same torch.cuda path that ROCm takes:
 #   - tests/gpu: one worker on NCCL against ddp on one GPU (32-true, bf16-mixed, 16-mixed with its
 #     gradient scaler, checkpoint contents); two workers sharing the one GPU over gloo (devices=2,
-#     Lightning's device parsing on a pinned worker); MonarchFSDPStrategy with cpu_offload=True;
+#     Lightning's device parsing on a pinned worker); MonarchModelParallelStrategy at 1x2 (tensor
+#     parallel) on the one GPU over gloo; MonarchFSDPStrategy with cpu_offload=True;
 #     MeshStatsMonitor's readings and CUDA-event step timer; the warm mesh; the controller never
 #     initializing a GPU;
 #   - the small and medium benchmarks, monarch against ddp with devices=1;

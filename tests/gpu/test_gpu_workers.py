@@ -24,11 +24,12 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lightning_monarch import MeshStatsMonitor, MonarchFSDPStrategy, MonarchStrategy
+from lightning_monarch import MeshStatsMonitor, MonarchFSDPStrategy, MonarchModelParallelStrategy, MonarchStrategy
 from lightning_monarch.controller.pool import MESHES
 from tests.conftest import ROOT
 from tests.models import Classifier
-from tests.parity_cases import TokenTransformer
+from tests.parity_cases import TokenTransformer, environment_for_ddp
+from tests.tensor_parallel import fit
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU"),
@@ -167,6 +168,30 @@ def test_two_workers_share_one_gpu_over_gloo(tmp_path: Path, monkeypatch: pytest
     assert ours["global_step"] == reference["global_step"]
     for key, value in reference["weights"].items():
         torch.testing.assert_close(ours["weights"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_tensor_parallel_workers_share_one_gpu_over_gloo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MonarchModelParallelStrategy`` at 1×2 (data × tensor) with one GPU: both workers pinned to
+    it, the tensor-parallel collectives over gloo (NCCL refuses two ranks on one GPU); trained as
+    Lightning's ``ModelParallelStrategy`` trains 2 CPU processes, to float tolerance."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,0")
+    strategy = MonarchModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, process_group_backend="gloo")
+    trainer, model = fit(strategy, 2, tmp_path / "monarch", accelerator="gpu")
+    assert not torch.cuda.is_initialized(), "the controller initialized a GPU"
+    weights = trainer.strategy.gather_full_state_dict()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    subprocess.run(
+        [sys.executable, "-m", "tests.tensor_parallel", str(tmp_path / "reference"), "1", "2"],
+        cwd=ROOT,
+        env=environment_for_ddp(),
+        check=True,
+        timeout=240,
+    )
+    reference = torch.load(tmp_path / "reference" / "results.pt", weights_only=False)
+    assert trainer.global_step == reference["global_step"]
+    torch.testing.assert_close(model.losses, reference["losses"], rtol=1e-4, atol=1e-5)
+    for key, value in reference["weights"].items():
+        torch.testing.assert_close(weights[key].cpu(), value, rtol=1e-4, atol=1e-5, msg=key)
 
 
 def test_fsdp_with_cpu_offload_matches_ddp(tmp_path: Path) -> None:
