@@ -227,3 +227,18 @@ def test_a_killed_worker_under_1x2_is_replaced_and_the_run_ends_as_if_undisturbe
     for name, weight in weights.items():
         assert torch.equal(recovered[name], weight), name
     assert not list((tmp_path / "snapshots").iterdir()), "the stage left its snapshots behind"
+
+
+def test_a_fit_after_a_rehearsal_equals_a_fit_without_one(tmp_path: Path) -> None:
+    def run(name: str, **options: Any) -> tuple[MonarchModelParallelStrategy, list[float], dict[str, Any]]:
+        strategy = MonarchModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, **options)
+        trainer, model = fit(strategy, 2, tmp_path / name, limit_train_batches=4)
+        return strategy, model.losses, trainer.strategy.gather_full_state_dict()
+
+    _, losses, weights = run("plain")
+    strategy, rehearsed_losses, rehearsed = run("rehearsed", rehearse=True)
+    assert strategy.rehearsal is not None and [rank.rank for rank in strategy.rehearsal.ranks] == [0, 1]
+    assert strategy.rehearsal.checkpoint_mib > 0
+    assert rehearsed_losses == losses and len(losses) == 4
+    for name, weight in weights.items():
+        assert torch.equal(rehearsed[name], weight), name

@@ -14,7 +14,14 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_monarch import MonarchFSDPStrategy, MonarchStrategy, RehearsalError, cli, rehearse
+from lightning_monarch import (
+    MonarchFSDPStrategy,
+    MonarchModelParallelStrategy,
+    MonarchStrategy,
+    RehearsalError,
+    cli,
+    rehearse,
+)
 from lightning_monarch.controller.pool import MESHES
 from lightning_monarch.controller.rehearsal import Projection, RankRehearsal, RehearsalReport, _copy, _warnings
 from tests.models import ClassificationDataModule, Classifier, DataModuleClassifier
@@ -206,6 +213,11 @@ def test_the_rehearsals_strategy_is_the_runs_without_restarts_or_elastic_trainin
     sharded_twin = sharded._rehearsal_twin()
     assert type(sharded_twin) is MonarchFSDPStrategy
     assert sharded_twin._arguments() == {**sharded._arguments(), "keep_warm": True}  # the run takes its mesh
+    two_d = MonarchModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=2, save_distributed_checkpoint=False
+    )
+    two_d_twin = two_d._rehearsal_twin()
+    assert type(two_d_twin) is MonarchModelParallelStrategy and two_d_twin._arguments() == two_d._arguments()
 
 
 def test_the_rehearsals_copies_leave_the_trainers_out() -> None:
