@@ -34,6 +34,34 @@ if not os.environ.get(RUN_MARKER, "").endswith(f"/{_XDIST_WORKER}"):
     os.environ[RUN_MARKER] = f"{uuid.uuid4().hex}/{_XDIST_WORKER}"
 
 
+#: The test files that take longest, longest first (measured with ``--durations=0``): pytest-xdist
+#: hands whole files to its two processes in collection order (``--no-loadscope-reorder`` in
+#: ``pyproject.toml``; by default it orders them by their number of tests), so the longest start
+#: first and both processes end at about the same time instead of one running the elastic tests
+#: alone at the end.
+SLOWEST_FIRST = (
+    "test_elastic.py",
+    "test_examples.py",
+    "test_pytorch_lightning.py",
+    "test_hosts.py",
+    "test_notebook.py",
+    "test_model_parallel.py",
+    "test_command.py",
+    "test_failures.py",
+    "test_parity.py",
+    "test_recovery.py",
+    "test_warm_mesh.py",
+    "test_fsdp.py",
+    "test_devices.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of :data:`SLOWEST_FIRST` first, in its order; each file's tests in their own order."""
+    rank = {name: index for index, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def worker_processes() -> list[psutil.Process]:
     """Monarch worker processes that this test run started (here or in a subprocess), still running."""
     marker = os.environ[RUN_MARKER]
