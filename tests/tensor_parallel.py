@@ -3,7 +3,8 @@ dimension, as torchtitan lays out 2-D parallelism; and the run that ``tests/test
 compares between ``MonarchModelParallelStrategy`` and Lightning's own ``ModelParallelStrategy``.
 
 Usage (the reference, Lightning's strategy on CPU processes, gloo; Lightning's launcher re-executes
-this command for every rank): ``python -m tests.tensor_parallel OUT_DIR DATA TENSOR [RESUME_FROM]``
+this command for every rank): ``python -m tests.tensor_parallel ROOT RUN [RUN ...]``, each ``RUN``
+``DxT`` or ``DxT:FROM`` (:func:`run_reference`), all of one world size.
 """
 
 from __future__ import annotations
@@ -125,11 +126,22 @@ def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-if __name__ == "__main__":
-    out, data, tensor = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    resume = sys.argv[4] if len(sys.argv) > 4 else None
+def run_reference(root: Path, run: str) -> None:
+    """One run of Lightning's own ``ModelParallelStrategy``: ``DxT`` trains a new model on a
+    ``D`` × ``T`` mesh, ``DxT:FROM`` resumes there from run ``FROM``'s checkpoint; rank 0 saves
+    what the tests compare in ``root / run / "results.pt"`` (``:`` as ``-from-``)."""
+    layout, _, source = run.partition(":")
+    data, tensor = (int(size) for size in layout.split("x"))
+    out = root / run.replace(":", "-from-")
     out.mkdir(parents=True, exist_ok=True)
+    resume = str(root / source / "model.ckpt") if source else None
     trainer, model = fit(ModelParallelStrategy(data, tensor), data * tensor, out, resume)
     weights = full_weights(model)
     if trainer.is_global_zero:
         torch.save({"losses": model.losses, "weights": weights, "global_step": trainer.global_step}, out / "results.pt")
+
+
+if __name__ == "__main__":
+    # runs of one world size share the launched processes, which Lightning starts once
+    for run in sys.argv[2:]:
+        run_reference(Path(sys.argv[1]), run)

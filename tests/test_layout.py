@@ -13,12 +13,15 @@ from pathlib import Path
 
 import lightning as L
 
+from lightning_monarch import stop_meshes
 from tests.conftest import probe_warm_workers
 from tests.models import Classifier
 from tests.worker_probe import LIGHTNING_PACKAGE, side_effects
 
 
 def test_workers_import_no_controller_module_and_install_nothing(tmp_path: Path) -> None:
+    # on new workers: those of earlier tests unpickled test modules that import controller modules
+    stop_meshes()
     trainer = L.Trainer(
         strategy="monarch",
         devices=2,

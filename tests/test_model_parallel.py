@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,26 +30,26 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 LAYOUTS = {"1x2": (1, 2), "2x2": (2, 2)}
 
 
-def _reference(out_dir: Path, data: int, tensor: int, resume_from: Path | None = None) -> dict[str, Any]:
-    """Lightning's own ``ModelParallelStrategy`` at ``data`` × ``tensor`` (its launcher starts a
-    process per rank, so it runs as ``python -m tests.tensor_parallel``)."""
+def _references(root: Path, *runs: str) -> dict[str, Any]:
+    """Lightning's own ``ModelParallelStrategy`` for ``runs`` of one world size
+    (``tests.tensor_parallel.run_reference``): its launcher starts a process per rank, so it runs as
+    ``python -m tests.tensor_parallel``."""
     subprocess.run(
-        [sys.executable, "-m", "tests.tensor_parallel", str(out_dir), str(data), str(tensor)]
-        + ([str(resume_from)] if resume_from is not None else []),
+        [sys.executable, "-m", "tests.tensor_parallel", str(root), *runs],
         cwd=ROOT,
         env=environment_for_ddp(),
         check=True,
         timeout=300,
     )
-    return torch.load(out_dir / "results.pt", weights_only=False)
+    return {run: torch.load(root / run.replace(":", "-from-") / "results.pt", weights_only=False) for run in runs}
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """At 1×2; at 2×2, then 1×4 resumed from its checkpoint, in the same 4 processes."""
     root = tmp_path_factory.mktemp("model_parallel")
-    results = {name: _reference(root / name, *layout) for name, layout in LAYOUTS.items()}
-    results["resumed 1x4"] = _reference(root / "resumed", 1, 4, root / "2x2" / "model.ckpt")
-    return results
+    results = {**_references(root, "1x2"), **_references(root, "2x2", "1x4:2x2")}
+    return {**results, "resumed 1x4": results.pop("1x4:2x2")}
 
 
 def _ours(out_dir: Path, data: int, tensor: int, resume_from: Path | None = None, **options: Any) -> dict[str, Any]:
@@ -209,36 +210,44 @@ class KillRank1InEpoch1(L.Callback):
             os.kill(trainer.strategy.worker_pids[1], signal.SIGKILL)
 
 
-def _fit_with_restarts(out_dir: Path, callbacks: list[L.Callback]) -> tuple[L.Trainer, list[float], dict[str, Any]]:
+def _fit_1x2(out_dir: Path, callbacks: Sequence[L.Callback] = (), **options: Any) -> dict[str, Any]:
+    """2 epochs of 4 steps at 1×2 with ``max_restarts=1``; what the tests compare."""
     strategy = MonarchModelParallelStrategy(
-        data_parallel_size=1, tensor_parallel_size=2, max_restarts=1, snapshot_dir=out_dir / "snapshots"
+        data_parallel_size=1, tensor_parallel_size=2, max_restarts=1, snapshot_dir=out_dir / "snapshots", **options
     )
-    trainer, model = fit(strategy, 2, out_dir, epochs=2, limit_train_batches=4, callbacks=callbacks)
-    return trainer, model.losses, trainer.strategy.gather_full_state_dict()
+    (out_dir / "snapshots").mkdir(parents=True)
+    trainer, model = fit(strategy, 2, out_dir, epochs=2, limit_train_batches=4, callbacks=list(callbacks))
+    return {
+        "strategy": strategy,
+        "losses": model.losses,
+        "weights": trainer.strategy.gather_full_state_dict(),
+        "snapshots": list((out_dir / "snapshots").iterdir()),
+    }
 
 
-def test_a_killed_worker_under_1x2_is_replaced_and_the_run_ends_as_if_undisturbed(tmp_path: Path) -> None:
-    (tmp_path / "snapshots").mkdir()
-    _, losses, weights = _fit_with_restarts(tmp_path, [])
-    trainer, recovered_losses, recovered = _fit_with_restarts(tmp_path, [KillRank1InEpoch1()])
-    assert trainer.strategy.restarts == 1
-    assert recovered_losses == losses and len(losses) == 8
-    assert set(recovered) == set(weights)
-    for name, weight in weights.items():
-        assert torch.equal(recovered[name], weight), name
-    assert not list((tmp_path / "snapshots").iterdir()), "the stage left its snapshots behind"
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _fit_1x2(tmp_path_factory.mktemp("undisturbed"))
 
 
-def test_a_fit_after_a_rehearsal_equals_a_fit_without_one(tmp_path: Path) -> None:
-    def run(name: str, **options: Any) -> tuple[MonarchModelParallelStrategy, list[float], dict[str, Any]]:
-        strategy = MonarchModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, **options)
-        trainer, model = fit(strategy, 2, tmp_path / name, limit_train_batches=4)
-        return strategy, model.losses, trainer.strategy.gather_full_state_dict()
+def _assert_bitwise(ours: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert ours["losses"] == reference["losses"] and len(reference["losses"]) == 8
+    assert set(ours["weights"]) == set(reference["weights"])
+    for name, weight in reference["weights"].items():
+        assert torch.equal(ours["weights"][name], weight), name
 
-    _, losses, weights = run("plain")
-    strategy, rehearsed_losses, rehearsed = run("rehearsed", rehearse=True)
-    assert strategy.rehearsal is not None and [rank.rank for rank in strategy.rehearsal.ranks] == [0, 1]
-    assert strategy.rehearsal.checkpoint_mib > 0
-    assert rehearsed_losses == losses and len(losses) == 4
-    for name, weight in weights.items():
-        assert torch.equal(rehearsed[name], weight), name
+
+def test_a_killed_worker_under_1x2_is_replaced_and_the_run_ends_as_if_undisturbed(
+    undisturbed: dict[str, Any], tmp_path: Path
+) -> None:
+    recovered = _fit_1x2(tmp_path, [KillRank1InEpoch1()])
+    assert recovered["strategy"].restarts == 1 and undisturbed["strategy"].restarts == 0
+    _assert_bitwise(recovered, undisturbed)
+    assert recovered["snapshots"] == [], "the stage left its snapshots behind"
+
+
+def test_a_fit_after_a_rehearsal_equals_a_fit_without_one(undisturbed: dict[str, Any], tmp_path: Path) -> None:
+    rehearsed = _fit_1x2(tmp_path, rehearse=True)
+    report = rehearsed["strategy"].rehearsal
+    assert report is not None and [rank.rank for rank in report.ranks] == [0, 1] and report.checkpoint_mib > 0
+    _assert_bitwise(rehearsed, undisturbed)

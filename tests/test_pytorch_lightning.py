@@ -126,8 +126,6 @@ def test_the_workers_lead_by_max_ahead_batches_at_most() -> None:
 
 
 def test_workers_run_pytorch_lightning_and_import_no_controller_module(tmp_path: Path) -> None:
-    # on new workers: those of the tests above unpickled test modules that import controller modules
-    lightning_monarch.stop_meshes()
     pl_layout.test_workers_import_no_controller_module_and_install_nothing(tmp_path)
 
 

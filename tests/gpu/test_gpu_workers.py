@@ -181,13 +181,13 @@ def test_tensor_parallel_workers_share_one_gpu_over_gloo(tmp_path: Path, monkeyp
     weights = trainer.strategy.gather_full_state_dict()
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     subprocess.run(
-        [sys.executable, "-m", "tests.tensor_parallel", str(tmp_path / "reference"), "1", "2"],
+        [sys.executable, "-m", "tests.tensor_parallel", str(tmp_path / "reference"), "1x2"],
         cwd=ROOT,
         env=environment_for_ddp(),
         check=True,
         timeout=240,
     )
-    reference = torch.load(tmp_path / "reference" / "results.pt", weights_only=False)
+    reference = torch.load(tmp_path / "reference" / "1x2" / "results.pt", weights_only=False)
     assert trainer.global_step == reference["global_step"]
     torch.testing.assert_close(model.losses, reference["losses"], rtol=1e-4, atol=1e-5)
     for key, value in reference["weights"].items():
