@@ -125,17 +125,21 @@ def cuda_build(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
-def run_ddp_reference(out_dir: Path, cases: list[str]) -> Path:
-    """Run parity cases under Lightning's own ``strategy="ddp"`` (2 CPU processes) in a subprocess.
-
-    ``ddp`` re-executes the running command for each rank, which inside pytest would be pytest
-    itself, so the reference runs as ``python -m tests.ddp_reference``.
-    """
+def run_reference(module: str, *arguments: Any, timeout: float = 300) -> None:
+    """Run a reference under one of Lightning's own strategies, ``python -m module arguments``, in
+    a subprocess from the repository root: Lightning's launchers re-execute the running command for
+    each rank, which inside pytest would be pytest itself."""
     subprocess.run(
-        [sys.executable, "-m", "tests.ddp_reference", str(out_dir), *cases],
+        [sys.executable, "-m", module, *map(str, arguments)],
         cwd=ROOT,
         env=environment_for_ddp(),
         check=True,
-        timeout=900,
+        timeout=timeout,
     )
+
+
+def run_ddp_reference(out_dir: Path, cases: list[str]) -> Path:
+    """Run parity cases under Lightning's own ``strategy="ddp"`` (2 CPU processes) in a subprocess,
+    as ``python -m tests.ddp_reference`` (:func:`run_reference`)."""
+    run_reference("tests.ddp_reference", out_dir, *cases, timeout=900)
     return out_dir

@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import suppress
@@ -31,9 +29,9 @@ from lightning_monarch.controller.world import surviving_positions
 from lightning_monarch.protocol import WorldSpec
 from lightning_monarch.worker.process import torch_elastic_env
 from tests import elastic_runs
-from tests.conftest import ROOT, worker_processes
+from tests.conftest import run_reference, worker_processes
 from tests.models import Classifier
-from tests.parity_cases import comparable_checkpoint, environment_for_ddp
+from tests.parity_cases import comparable_checkpoint
 from tests.served_hosts import ServedHost
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,13 +79,7 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], d
         if sequence not in done:
             out_dir = tmp_path_factory.mktemp(f"ddp-{sequence}")
             for index in range(len(elastic_runs.SEQUENCES[sequence])):
-                subprocess.run(
-                    [sys.executable, "-m", "tests.elastic_runs", str(out_dir), sequence, str(index)],
-                    cwd=ROOT,
-                    env=environment_for_ddp(),
-                    check=True,
-                    timeout=240,
-                )
+                run_reference("tests.elastic_runs", out_dir, sequence, index, timeout=240)
             done[sequence] = {**torch.load(out_dir / "results.pt", weights_only=False), "directory": out_dir}
         return done[sequence]
 

@@ -5,8 +5,6 @@ shards (``torch.distributed.checkpoint``), the controller writes Lightning's met
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +15,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_monarch import MonarchFSDPStrategy, cli, convert_sharded_checkpoint
-from tests.conftest import ROOT, worker_processes
+from tests.conftest import run_reference, worker_processes
 from tests.memory import PeakRss
-from tests.parity_cases import SEED, TokenTransformer, environment_for_ddp
+from tests.parity_cases import SEED, TokenTransformer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -207,13 +205,7 @@ def test_lightning_model_parallel_strategy_reads_and_writes_the_same_checkpoints
     workers and writes its own, from which ``monarch_fsdp`` on 2 workers resumes in turn."""
     path, _ = checkpoint
     theirs = tmp_path / "model_parallel.ckpt"
-    subprocess.run(
-        [sys.executable, "-m", "tests.model_parallel_reference", str(path), str(theirs)],
-        cwd=ROOT,
-        env=environment_for_ddp(),
-        check=True,
-        timeout=300,
-    )
+    run_reference("tests.model_parallel_reference", path, theirs)
     convert_sharded_checkpoint(theirs, tmp_path / "theirs.ckpt")
     saved = torch.load(tmp_path / "theirs.ckpt", weights_only=True)
     gather = GatherAtTrainStart()

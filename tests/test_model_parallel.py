@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,8 +17,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch import MonarchFSDPStrategy, MonarchModelParallelStrategy, cli, stop_meshes
-from tests.conftest import ROOT, worker_processes
-from tests.parity_cases import environment_for_ddp
+from tests.conftest import run_reference, worker_processes
 from tests.tensor_parallel import TensorParallelTransformer, fit
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,13 +31,7 @@ def _references(root: Path, *runs: str) -> dict[str, Any]:
     """Lightning's own ``ModelParallelStrategy`` for ``runs`` of one world size
     (``tests.tensor_parallel.run_reference``): its launcher starts a process per rank, so it runs as
     ``python -m tests.tensor_parallel``."""
-    subprocess.run(
-        [sys.executable, "-m", "tests.tensor_parallel", str(root), *runs],
-        cwd=ROOT,
-        env=environment_for_ddp(),
-        check=True,
-        timeout=300,
-    )
+    run_reference("tests.tensor_parallel", root, *runs)
     return {run: torch.load(root / run.replace(":", "-from-") / "results.pt", weights_only=False) for run in runs}
 
 
