@@ -294,14 +294,18 @@ class WorkerMesh:
         return entries
 
     def _took_status(self, future: Any, statuses: dict[int, RankStatus]) -> bool:
-        """Take a status answer if it is there (raising the failure it reports); ``False`` if not yet."""
+        """Take a status answer if it is there (raising the failure it reports); ``False`` if not yet.
+        Rank 0's own failure is left to its fetch, which returns it at once with the entries before
+        it (its stage ended): there every rank is free to answer, and one that does not is named
+        dead (``_raise_if_a_death_caused``). Rank 0 answers a status between two of its fetches,
+        since a fetch whose batch does not end answers with its status (``worker.loop``)."""
         try:
             status = future.get(timeout=0.001)
         except TimeoutError:
             return False
         except SupervisionError as error:
             self._raise_death(error)
-        if status.failure is not None:
+        if status.failure is not None and status.rank != 0:
             # rank 0's fetch is in flight, and rank 0 answers nothing else until it returns: its
             # silence here says nothing of its process, so only Monarch's report names a death
             self._raise_if_a_death_caused(status.failure, self._workers.status.stream())
