@@ -118,15 +118,12 @@ class MonarchFSDPStrategy(MonarchModelParallelStrategy):
                 " at once. Name the classes of its repeated blocks to shard them one by one and save memory, e.g."
                 " `MonarchFSDPStrategy(fsdp_policy={nn.TransformerEncoderLayer})`."
             )
-        spec = ShardingSpec(
+        spec = self._spec(
+            from_shards,
             policy=self.fsdp_policy,
             mixed_precision=self.mixed_precision,
             activation_checkpointing=self.activation_checkpointing_policy,
             cpu_offload=self.cpu_offload,
-            from_shards=from_shards,
-            mesh_shape=self.mesh_shape,
-            save_distributed_checkpoint=self.save_distributed_checkpoint,
-            timeout=self.timeout,
         )
         if (
             self.fsdp_policy

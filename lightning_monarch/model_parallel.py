@@ -219,12 +219,17 @@ class MonarchModelParallelStrategy(MonarchStrategy):
                 " `self.device_mesh['data_parallel']` there, or use `MonarchFSDPStrategy(fsdp_policy={...})`, which"
                 " shards a module that does not."
             )
+        return self._spec(from_shards, wraps=False)
+
+    def _spec(self, from_shards: bool, **options: Any) -> ShardingSpec:
+        """The sharding spec of this strategy's mesh and checkpoints, with ``options`` (how the
+        workers shard the module)."""
         return ShardingSpec(
             mesh_shape=self.mesh_shape,
-            wraps=False,
             from_shards=from_shards,
             save_distributed_checkpoint=self.save_distributed_checkpoint,
             timeout=self.timeout,
+            **options,
         )
 
     @override

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_monarch import namespaces
+
+if TYPE_CHECKING:
+    from lightning_monarch.strategy import MonarchStrategy
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +50,23 @@ def install() -> None:
     import monarch.actor
 
     from lightning_monarch._compat import lightning as lightning_compat
-    from lightning_monarch.fsdp import MonarchFSDPStrategy
-    from lightning_monarch.model_parallel import MonarchModelParallelStrategy
-    from lightning_monarch.strategy import MonarchStrategy
 
     monarch.actor.unhandled_fault_hook = _log_fault
-    for strategy in (MonarchStrategy, MonarchModelParallelStrategy, MonarchFSDPStrategy):
+    for strategy in _strategies():
         strategy.register_strategies(StrategyRegistry)
     lightning_compat.route_accelerator(_check_flags)
     _installed = True
     namespaces.import_after(namespaces.PYTORCH_LIGHTNING.pytorch, namespaces.PYTORCH_LIGHTNING.package)
+
+
+def _strategies() -> tuple[type[MonarchStrategy], ...]:
+    """The strategies this package registers, each under its ``strategy_name`` (imported here,
+    when the install step runs: they import the controller's modules)."""
+    from lightning_monarch.fsdp import MonarchFSDPStrategy
+    from lightning_monarch.model_parallel import MonarchModelParallelStrategy
+    from lightning_monarch.strategy import MonarchStrategy
+
+    return MonarchStrategy, MonarchModelParallelStrategy, MonarchFSDPStrategy
 
 
 def _log_fault(failure: Any) -> None:
@@ -96,15 +106,9 @@ def _refuse_other_namespace(strategy: Any) -> None:
 def _route_gpu_to_workers(strategy: Any, accelerator: Any) -> Any:
     """Under ``strategy="monarch"``, ``accelerator="gpu"``/``"cuda"`` names the workers' GPUs."""
     from lightning_monarch.controller.accelerator import WorkerGPUAccelerator
-    from lightning_monarch.fsdp import MonarchFSDPStrategy
-    from lightning_monarch.model_parallel import MonarchModelParallelStrategy
     from lightning_monarch.strategy import MonarchStrategy
 
-    named = strategy in (
-        MonarchStrategy.strategy_name,
-        MonarchModelParallelStrategy.strategy_name,
-        MonarchFSDPStrategy.strategy_name,
-    )
+    named = strategy in {registered.strategy_name for registered in _strategies()}
     if (
         (named or isinstance(strategy, MonarchStrategy))
         and isinstance(accelerator, str)
