@@ -36,7 +36,7 @@ import lightning as L
 import psutil
 
 from lightning_monarch import MeshFailureError, MonarchStrategy, stop_meshes
-from lightning_monarch.controller.hosts import reachable
+from lightning_monarch.controller.mesh.hosts import reachable
 from tests.models import Classifier
 
 RESULTS = Path(__file__).resolve().parent / "results"

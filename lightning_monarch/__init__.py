@@ -26,12 +26,12 @@ from lightning_monarch._compat import monarch as monarch_compat
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # for type checkers and the API reference; at run time, __getattr__ below
-    from lightning_monarch.controller.accelerator import WorkerGPUAccelerator
-    from lightning_monarch.controller.checkpoints import convert_sharded_checkpoint
-    from lightning_monarch.controller.plan import observe_only
-    from lightning_monarch.controller.pool import stop_meshes
-    from lightning_monarch.controller.rehearsal import RehearsalReport, rehearse
-    from lightning_monarch.controller.stats import MeshStatsMonitor
+    from lightning_monarch.controller.features.rehearsal import RehearsalReport, rehearse
+    from lightning_monarch.controller.features.stats import MeshStatsMonitor
+    from lightning_monarch.controller.launch.accelerator import WorkerGPUAccelerator
+    from lightning_monarch.controller.loop.checkpoints import convert_sharded_checkpoint
+    from lightning_monarch.controller.loop.plan import observe_only
+    from lightning_monarch.controller.mesh.pool import stop_meshes
     from lightning_monarch.errors import (
         DivergenceError,
         HostsLostError,
@@ -64,16 +64,16 @@ _PUBLIC_NAMES = {
         ),
         "lightning_monarch.errors",
     ),
-    "MeshStatsMonitor": "lightning_monarch.controller.stats",
+    "MeshStatsMonitor": "lightning_monarch.controller.features.stats",
     "MonarchFSDPStrategy": "lightning_monarch.fsdp",
     "MonarchModelParallelStrategy": "lightning_monarch.model_parallel",
     "MonarchStrategy": "lightning_monarch.strategy",
-    "WorkerGPUAccelerator": "lightning_monarch.controller.accelerator",
-    "convert_sharded_checkpoint": "lightning_monarch.controller.checkpoints",
-    "observe_only": "lightning_monarch.controller.plan",
-    "RehearsalReport": "lightning_monarch.controller.rehearsal",
-    "rehearse": "lightning_monarch.controller.rehearsal",
-    "stop_meshes": "lightning_monarch.controller.pool",
+    "WorkerGPUAccelerator": "lightning_monarch.controller.launch.accelerator",
+    "convert_sharded_checkpoint": "lightning_monarch.controller.loop.checkpoints",
+    "observe_only": "lightning_monarch.controller.loop.plan",
+    "RehearsalReport": "lightning_monarch.controller.features.rehearsal",
+    "rehearse": "lightning_monarch.controller.features.rehearsal",
+    "stop_meshes": "lightning_monarch.controller.mesh.pool",
 }
 
 __all__ = [

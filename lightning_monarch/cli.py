@@ -8,7 +8,7 @@ but ``serve``, which runs on each worker host.
   strategy what it would start (``MonarchStrategy._mesh_key()``), so the two cannot disagree. It
   starts no worker and initializes no GPU in this process: GPUs are counted through NVML (or
   amdsmi on ROCm), as Lightning does.
-- ``preflight`` starts the mesh and checks every worker (``lightning_monarch.controller.preflight``).
+- ``preflight`` starts the mesh and checks every worker (``lightning_monarch.controller.features.preflight``).
 - ``benchmark`` times ``monarch`` against ``ddp`` on this machine (``lightning_monarch.benchmark``).
 - ``rehearse`` rehearses the ``fit`` of a LightningCLI config on its workers
   (``lightning_monarch.rehearse``) and prints the report, as a table or as JSON; a config whose
@@ -49,8 +49,8 @@ import lightning_monarch
 from lightning_monarch import host, namespaces
 from lightning_monarch.benchmark.compare import BenchmarkError, compare
 from lightning_monarch.benchmark.models import SIZES
-from lightning_monarch.controller import preflight
-from lightning_monarch.controller.rehearsal import DEFAULT_STEPS
+from lightning_monarch.controller.features import preflight
+from lightning_monarch.controller.features.rehearsal import DEFAULT_STEPS
 from lightning_monarch.devices import VISIBILITY_VARS, visibility
 from lightning_monarch.protocol import versions, worker_backend
 from lightning_monarch.strategy import MonarchStrategy
@@ -316,7 +316,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: one subcommand per tool; ``preflight`` takes ``controller.preflight``'s options."""
+    """The command line: one subcommand per tool; ``preflight`` takes ``controller.features.preflight``'s options."""
     parser = argparse.ArgumentParser(prog=PROG, description="Tools for Lightning's strategy='monarch'.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 

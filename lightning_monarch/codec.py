@@ -3,8 +3,8 @@ to the workers: one pickle per message, each CPU tensor as a view of its storage
 
 Shared by both sides: the workers encode entries and predictions (``worker.loop``,
 ``worker.actor``) and open the stage's parcels (``worker.stage``); the controller decodes the
-former (``controller.mesh``) and packs the stage's objects with cloudpickle and
-:class:`TensorPickling` (``controller.payload``).
+former (``controller.mesh.worker_mesh``) and packs the stage's objects with cloudpickle and
+:class:`TensorPickling` (``controller.mesh.payload``).
 
 ``torch.save`` does the same job, but it writes a zip archive and pickles each storage through a
 nested legacy ``torch.save``: about 0.15 ms per message and per tensor on each side (most of what

@@ -55,7 +55,7 @@ class HostsLostError(MeshFailureError):
     ``MonarchStrategy(connect_timeout=...)``. ``hosts`` names them by their place among the
     ``num_hosts`` hosts the mesh started on (the order of ``MonarchStrategy(hosts=...)``). Under
     ``MonarchStrategy(min_nodes=...)`` a ``fit`` goes on without them while enough hosts remain
-    (``controller.elastic``); otherwise this is the error the run ends with."""
+    (``controller.features.elastic``); otherwise this is the error the run ends with."""
 
     def __init__(
         self, message: str, ranks: tuple[int, ...], hosts: tuple[int, ...], num_hosts: int, detected_at: float

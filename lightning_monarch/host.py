@@ -11,7 +11,7 @@ only then, and an elastic ``fit`` goes back to its last resume point. Served by 
 instead, the host process lives on for ``grace`` seconds and writes a notice file, whose path its
 worker processes inherit (``protocol.NOTICE_VARIABLE``); they ignore SIGTERM themselves
 (``worker.notices``). After the next optimizer step, the workers see the notice and wait, and an
-elastic ``fit`` goes on without this host from there (``controller.elastic``): no step is redone.
+elastic ``fit`` goes on without this host from there (``controller.features.elastic``): no step is redone.
 """
 
 from __future__ import annotations

@@ -379,7 +379,7 @@ class ResumePoint:
     ``checkpoint`` is rank 0's Lightning checkpoint (``torch.save`` bytes, packed as a ``Parcel``
     whose bytes travel once) under ``ddp``, and under ``MonarchFSDPStrategy`` the path of the sharded
     checkpoint directory that every rank wrote its shards into
-    (``controller.checkpoints.SnapshotDirectory``)."""
+    (``controller.loop.checkpoints.SnapshotDirectory``)."""
 
     checkpoint: Union[Parcel, str]
     ranks: tuple[RankSnapshot, ...]
@@ -411,13 +411,13 @@ class StageSpec:
     run_ahead: RunAhead
     #: Set when new workers replace failed ones: the snapshot they resume from.
     resume: Optional[ResumePoint] = None
-    #: A rehearsal (``controller.rehearsal``): every rank records its batch times and memory
+    #: A rehearsal (``controller.features.rehearsal``): every rank records its batch times and memory
     #: (``worker.stats.RehearsalRecorder``), read with its stats.
     rehearsal: bool = False
     #: A checkpoint file's bytes that travel with the stage (a ``Parcel``, as the payload's
     #: storages do), for workers on hosts that may not reach the controller's disk: the workers
     #: resume from it instead of ``ckpt_path`` (an elastic ``fit`` going on from its resume point in
-    #: a smaller world, ``controller.elastic``).
+    #: a smaller world, ``controller.features.elastic``).
     checkpoint: Optional[Parcel] = None
     #: How the storages of its parcels that rank 0 does not hold travel (set as it is sent).
     shipment: Shipment = Shipment()
@@ -432,7 +432,7 @@ class StageSpec:
 class WorldSpec:
     """The world a worker joins (``MonarchWorker.join_world``): what it needs to set torchrun's
     environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) for its place in it. Made by
-    ``controller.world`` when the mesh starts and whenever elastic training changes its hosts."""
+    ``controller.mesh.world`` when the mesh starts and whenever elastic training changes its hosts."""
 
     master_addr: str
     master_port: int
@@ -502,7 +502,7 @@ class EveryNTrainSteps(SyncRule):
 class SnapshotEpochs(SyncRule):
     """At the start of every ``every``-th training epoch after the first (or from the first, with
     ``first``): where the controller snapshots the workers for recovery, and keeps an elastic
-    ``fit``'s resume point (``controller.elastic``), which exists from the first epoch on."""
+    ``fit``'s resume point (``controller.features.elastic``), which exists from the first epoch on."""
 
     every: int
     first: bool = False
@@ -539,7 +539,7 @@ class AnyOf(SyncRule):
 @dataclass(frozen=True)
 class RunAhead:
     """How far the workers may lead in a stage, where they wait, and what their entries carry
-    (R4-R6). Made on the controller from its callbacks (``controller.plan``), sent with the stage."""
+    (R4-R6). Made on the controller from its callbacks (``controller.loop.plan``), sent with the stage."""
 
     #: Batches a worker may start beyond the last one the controller took; ``None``: no limit (a
     #: whole epoch and more); ``0``: lockstep, every gate a sync gate.
@@ -643,7 +643,7 @@ class Grant:
 @dataclass(frozen=True)
 class Release:
     """Leave the sync gate you are parked at (R5), with the control state the controller changed
-    there applied first, and the stage's plan from here on if it grew there (``controller.plan``:
+    there applied first, and the stage's plan from here on if it grew there (``controller.loop.plan``:
     ``configure_callbacks`` gave the controller callbacks, ``configure_optimizers`` schedulers)."""
 
     control: dict[str, Any]
@@ -732,7 +732,7 @@ class WorkerFailure:
 @dataclass(frozen=True)
 class WorkerWarning:
     """A Python warning a worker process showed, held for the controller to show once
-    (``worker.held_warnings``, ``controller.worker_warnings``): what ``warnings.showwarning`` got,
+    (``worker.held_warnings``, ``controller.mesh.worker_warnings``): what ``warnings.showwarning`` got,
     the class named ``module:qualname``."""
 
     category: str

@@ -27,16 +27,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.controller import arguments
-from lightning_monarch.controller.accelerator import WorkerGPUAccelerator
-from lightning_monarch.controller.checkpoints import SnapshotDirectory
-from lightning_monarch.controller.hosts import host_mesh
-from lightning_monarch.controller.launcher import MonarchLauncher
-from lightning_monarch.controller.mirrors import GradScalerMirror
-from lightning_monarch.controller.output import WorkerOutput
-from lightning_monarch.controller.pool import MeshKey
-from lightning_monarch.controller.rehearsal import RehearsalReport
-from lightning_monarch.controller.session import StageSession
+from lightning_monarch.controller.features.rehearsal import RehearsalReport
+from lightning_monarch.controller.launch import arguments
+from lightning_monarch.controller.launch.accelerator import WorkerGPUAccelerator
+from lightning_monarch.controller.launch.launcher import MonarchLauncher
+from lightning_monarch.controller.loop.checkpoints import SnapshotDirectory
+from lightning_monarch.controller.loop.mirrors import GradScalerMirror
+from lightning_monarch.controller.loop.session import StageSession
+from lightning_monarch.controller.mesh.hosts import host_mesh
+from lightning_monarch.controller.mesh.output import WorkerOutput
+from lightning_monarch.controller.mesh.pool import MeshKey
 from lightning_monarch.devices import host_gpu_count, pin
 from lightning_monarch.protocol import CheckpointState, RankStats, ShardingSpec
 
@@ -284,7 +284,7 @@ class MonarchStrategy(ParallelStrategy):
         }
 
     def _rehearsal_twin(self) -> MonarchStrategy:
-        """A strategy like this one for a rehearsal's Trainer (``controller.rehearsal``): on the same
+        """A strategy like this one for a rehearsal's Trainer (``controller.features.rehearsal``): on the same
         hosts (their ``HostMesh``, so that both take the same warm mesh), kept warm for the run that
         follows, without restarts, elastic training or a rehearsal of its own."""
         twin = type(self)(

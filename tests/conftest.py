@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import lightning_monarch  # noqa: F401 - registers strategy="monarch"
-from lightning_monarch.controller.pool import MESHES, other_namespace_pool
+from lightning_monarch.controller.mesh.pool import MESHES, other_namespace_pool
 from lightning_monarch.devices import VISIBILITY_VARS
 from tests.parity_cases import environment_for_ddp
 from tests.served_hosts import ROOT

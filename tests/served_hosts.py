@@ -13,7 +13,7 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Optional
 
-from lightning_monarch.controller.hosts import reachable
+from lightning_monarch.controller.mesh.hosts import reachable
 
 ROOT = Path(__file__).resolve().parent.parent
 

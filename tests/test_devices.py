@@ -30,8 +30,8 @@ from monarch.actor import Actor, attach_to_workers, endpoint
 from monarch.job import ProcessJob
 
 from lightning_monarch.codec import pack
-from lightning_monarch.controller.hosts import HOSTS_MESH
-from lightning_monarch.controller.mesh import WorkerMesh, failed_rank
+from lightning_monarch.controller.mesh.hosts import HOSTS_MESH
+from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh, failed_rank
 from lightning_monarch.devices import pin
 from lightning_monarch.protocol import PreflightSpec, RunAhead, StageSpec, TrainerConfig, versions
 from tests.models import Classifier

@@ -24,8 +24,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.job import ProcessJob
 
 from lightning_monarch import HostsLostError, MonarchFSDPStrategy, MonarchStrategy, stop_meshes
-from lightning_monarch.controller.elastic import ACCUMULATION_METRIC, WORLD_SIZE_METRIC, ElasticFit
-from lightning_monarch.controller.world import surviving_positions
+from lightning_monarch.controller.features.elastic import ACCUMULATION_METRIC, WORLD_SIZE_METRIC, ElasticFit
+from lightning_monarch.controller.mesh.world import surviving_positions
 from lightning_monarch.protocol import WorldSpec
 from lightning_monarch.worker.process import torch_elastic_env
 from tests import elastic_runs
@@ -106,7 +106,7 @@ def _fit_elastic(
         max_restarts=max_restarts,
     )
     trainer = elastic_runs.trainer(out_dir, strategy, callbacks, devices=1, num_nodes=2)
-    with caplog.at_level(logging.WARNING, logger="lightning_monarch.controller.elastic"):
+    with caplog.at_level(logging.WARNING, logger="lightning_monarch.controller.features.elastic"):
         trainer.fit(model)
     changes = [record.getMessage() for record in caplog.records if "training goes on" in record.getMessage()]
     return strategy, trainer, elastic_runs.results(trainer, model, out_dir), changes

@@ -65,7 +65,7 @@ def _fit(
 def test_killed_sharded_worker_resumes_from_the_sharded_snapshot(tmp_path: Path, caplog: Any) -> None:
     reference, reference_model, reference_weights = _fit(tmp_path / "undisturbed", [])
     killer = KillRankInEpoch1(rank=0, snapshot_dir=tmp_path / "killed")
-    with caplog.at_level(logging.WARNING, logger="lightning_monarch.controller.mesh"):
+    with caplog.at_level(logging.WARNING, logger="lightning_monarch.controller.mesh.worker_mesh"):
         trainer, model, weights = _fit(tmp_path / "killed", [killer])
 
     # at the kill, the stage's one snapshot directory held the snapshot of epoch 1 only

@@ -23,9 +23,9 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch import MeshStatsMonitor, MonarchStrategy
-from lightning_monarch.controller.channel import StageChannel
-from lightning_monarch.controller.mesh import WorkerMesh
-from lightning_monarch.controller.stats import StreakWatch, memory_bound, warn_missing_tools
+from lightning_monarch.controller.features.stats import StreakWatch, memory_bound, warn_missing_tools
+from lightning_monarch.controller.mesh.channel import StageChannel
+from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.protocol import RankStats
 from lightning_monarch.worker.stats import GpuSensors
 from tests.models import Classifier, WarmupClassifier

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_monarch.controller.predictions import PredictionCollector
+from lightning_monarch.controller.loop.predictions import PredictionCollector
 from lightning_monarch.protocol import PredictionShard
 
 

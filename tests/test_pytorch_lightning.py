@@ -200,17 +200,17 @@ def test_one_process_trains_in_both_namespaces_on_the_same_hosts_workers() -> No
     namespaces' runs of the same seeded module are equal bit for bit."""
     L.seed_everything(1234)
     ours = _fit(L.Trainer, Classifier())
-    warm = set(lightning_monarch.controller.pool.MESHES.worker_pids())
+    warm = set(lightning_monarch.controller.mesh.pool.MESHES.worker_pids())
     assert len(warm) == 2
     L.seed_everything(1234)
     theirs = _fit(pytorch_lightning.Trainer, pl_models.Classifier())
     assert not warm & {process.pid for process in worker_processes()}, "the first namespace's workers still run"
-    assert len(lightning_monarch.pl.controller.pool.MESHES.worker_pids()) == 2
-    assert lightning_monarch.controller.pool.MESHES.worker_pids() == []
+    assert len(lightning_monarch.pl.controller.mesh.pool.MESHES.worker_pids()) == 2
+    assert lightning_monarch.controller.mesh.pool.MESHES.worker_pids() == []
     for key, value in ours.items():
         assert torch.equal(theirs[key], value), key
     lightning_monarch.stop_meshes()
-    assert lightning_monarch.pl.controller.pool.MESHES.worker_pids() == []
+    assert lightning_monarch.pl.controller.mesh.pool.MESHES.worker_pids() == []
 
 
 def test_a_strategy_of_the_other_namespace_is_refused_naming_both() -> None:

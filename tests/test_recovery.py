@@ -73,7 +73,7 @@ def test_killed_worker_is_replaced_and_the_run_ends_as_if_undisturbed(
 ) -> None:
     reference, reference_model = _fit(tmp_path / "undisturbed", MonarchStrategy(max_restarts=1), [])
     killer = observe_only(KillRank(rank=1, step=step)) if leading else KillRank(rank=1, step=step)
-    with caplog.at_level(logging.WARNING, logger="lightning_monarch.controller.channel"):
+    with caplog.at_level(logging.WARNING, logger="lightning_monarch.controller.mesh.channel"):
         trainer, model = _fit(tmp_path / "killed", MonarchStrategy(max_restarts=1, max_ahead=4), [killer])
     assert killer.killed_at is not None and killer.resumed_at is not None
     assert trainer.strategy.restarts == 1 and reference.strategy.restarts == 0

@@ -22,8 +22,8 @@ from lightning_monarch import (
     cli,
     rehearse,
 )
-from lightning_monarch.controller.pool import MESHES
-from lightning_monarch.controller.rehearsal import Projection, RankRehearsal, RehearsalReport, _copy, _warnings
+from lightning_monarch.controller.features.rehearsal import Projection, RankRehearsal, RehearsalReport, _copy, _warnings
+from lightning_monarch.controller.mesh.pool import MESHES
 from tests.models import ClassificationDataModule, Classifier, DataModuleClassifier
 from tests.parity_cases import comparable_checkpoint
 

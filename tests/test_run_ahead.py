@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_monarch import DivergenceError, MonarchStrategy, observe_only
-from lightning_monarch.controller.channel import StageChannel
-from lightning_monarch.controller.mesh import WorkerMesh
+from lightning_monarch.controller.mesh.channel import StageChannel
+from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from tests.compat_models import StopAtStep
 from tests.models import Classifier
 

@@ -16,7 +16,7 @@ import pytest
 
 import lightning_monarch
 from lightning_monarch import MonarchStrategy
-from lightning_monarch.controller.pool import MESHES
+from lightning_monarch.controller.mesh.pool import MESHES
 from tests.conftest import ROOT, probe_warm_workers, worker_processes
 from tests.models import Classifier
 
@@ -90,7 +90,7 @@ def test_a_dead_idle_worker_is_replaced() -> None:
 
 _EXITING_SCRIPT = """
 import lightning as L, lightning_monarch
-from lightning_monarch.controller.pool import MESHES
+from lightning_monarch.controller.mesh.pool import MESHES
 from tests.models import Classifier
 L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=2,
           limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -1,5 +1,5 @@
 """The workers' Python warnings reach the user's terminal once each (``worker.held_warnings``,
-``controller.worker_warnings``).
+``controller.mesh.worker_warnings``).
 
 A user's script runs in a subprocess, as a user runs it, and the test reads its whole output: each
 distinct warning line appears once, a rank-zero warning of Lightning's that the controller's own
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_monarch.controller.worker_warnings import WorkerWarnings
+from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
 from lightning_monarch.protocol import RankValue, WorkerWarning
 from lightning_monarch.worker.held_warnings import HeldWarnings
 from tests.conftest import ROOT

@@ -92,7 +92,7 @@ _COORDINATE = re.compile(r"'\w+': (\d+)/(\d+)")
 def failed_rank(report: str) -> Optional[int]:
     """The global rank of the worker that Monarch's supervision ``report`` names, from the point it
     gives (``{'hosts': 1/2, 'gpus': 0/4}``): the row-major index over every dimension, which is the
-    ``RANK`` the mesh gave that process when it started (``controller.world``; after an elastic
+    ``RANK`` the mesh gave that process when it started (``controller.mesh.world``; after an elastic
     change of the world, a worker on another host may have another). ``None`` if it names no point."""
     point = _POINT.search(report)
     if point is None:

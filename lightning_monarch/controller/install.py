@@ -105,7 +105,7 @@ def _refuse_other_namespace(strategy: Any) -> None:
 
 def _route_gpu_to_workers(strategy: Any, accelerator: Any) -> Any:
     """Under ``strategy="monarch"``, ``accelerator="gpu"``/``"cuda"`` names the workers' GPUs."""
-    from lightning_monarch.controller.accelerator import WorkerGPUAccelerator
+    from lightning_monarch.controller.launch.accelerator import WorkerGPUAccelerator
     from lightning_monarch.strategy import MonarchStrategy
 
     named = strategy in {registered.strategy_name for registered in _strategies()}

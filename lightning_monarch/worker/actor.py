@@ -111,7 +111,7 @@ class MonarchWorker(Actor):
 
     @endpoint
     def leave_world(self) -> None:
-        """A host of the mesh was lost (elastic training, ``controller.elastic``): drop the failed
+        """A host of the mesh was lost (elastic training, ``controller.features.elastic``): drop the failed
         stage and this process's ``torch.distributed`` group, whose peers are gone. The controller
         then gives the surviving processes the torch elastic environment of the smaller world, and
         the next stage's ``DDPStrategy`` forms its group from it, in this same process. A stage

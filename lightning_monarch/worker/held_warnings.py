@@ -6,7 +6,7 @@ worker rank 0. Here each worker process, from its start-up (``worker.process``),
 Python's warning machinery would have printed: the process's own filters have let it through,
 and its "once per location" registry has already dropped repeats. Rank 0's warnings travel in
 its entries, the other ranks' when the stage ends; the controller shows each once
-(``controller.worker_warnings``).
+(``controller.mesh.worker_warnings``).
 
 Only the warnings module's output is held. What a worker prints otherwise (its own ``print``,
 logging, a traceback on its way out, native libraries) reaches the terminal as before.

@@ -114,7 +114,7 @@ def memory_in_use_mib() -> float:
 
 
 class RehearsalRecorder(Callback):
-    """Runs in each worker during a rehearsal (``controller.rehearsal``), the last of the rank's
+    """Runs in each worker during a rehearsal (``controller.features.rehearsal``), the last of the rank's
     callbacks: the interval between its training batch starts (the whole batch, data, forward,
     backward, all-reduce and optimizer step included: under DDP the ranks start each batch in
     step), its validation batch times, its memory after its first optimizer step, and its peak

@@ -25,7 +25,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_monarch import MeshStatsMonitor, MonarchFSDPStrategy, MonarchModelParallelStrategy, MonarchStrategy
-from lightning_monarch.controller.pool import MESHES
+from lightning_monarch.controller.mesh.pool import MESHES
 from tests.conftest import ROOT, run_reference
 from tests.models import Classifier
 from tests.parity_cases import TokenTransformer

@@ -20,7 +20,7 @@ from typing import Optional
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_monarch.controller.mesh import WorkerMesh
+from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.errors import PreflightError
 from lightning_monarch.protocol import PreflightSpec, WorkerReport, versions
 
@@ -122,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
 
     import lightning as L
 
-    from lightning_monarch.controller.pool import MESHES
-    from lightning_monarch.controller.worker_warnings import WorkerWarnings
+    from lightning_monarch.controller.mesh.pool import MESHES
+    from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
     from lightning_monarch.strategy import MonarchStrategy
 
     strategy = MonarchStrategy(hosts=args.hosts, process_group_backend=args.process_group_backend, keep_warm=False)

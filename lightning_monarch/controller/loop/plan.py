@@ -43,7 +43,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_monarch import namespaces
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.controller.stats import MeshStatsMonitor
+from lightning_monarch.controller.features.stats import MeshStatsMonitor
 from lightning_monarch.protocol import (
     CALLBACK_HOOKS,
     SNAPSHOT_GATE,

@@ -1,6 +1,6 @@
 """The controller's side of a stage's storages: what leaves this process, once, and how.
 
-Runs on the controller, for ``controller.mesh``. A stage's parcels (``codec.Parcel``) name their
+Runs on the controller, for ``controller.mesh.worker_mesh``. A stage's parcels (``codec.Parcel``) name their
 large storages by key; rank 0 told at the end of the last stage which keys it holds (``Entry.held``),
 and those never travel again. Each other storage leaves the controller once, whatever the number
 of workers (``codec.Shipment``):

@@ -1,7 +1,7 @@
 """The worker processes and the world they form: which hosts, which processes, which ranks.
 
-Runs on the controller, for ``controller.mesh``. The workers start as one Monarch ``ProcMesh``
-with a ``MonarchWorker`` per device on each host. Under elastic training (``controller.elastic``)
+Runs on the controller, for ``controller.mesh.worker_mesh``. The workers start as one Monarch ``ProcMesh``
+with a ``MonarchWorker`` per device on each host. Under elastic training (``controller.features.elastic``)
 the world changes while the processes stay: a lost host is sliced out, and a host that serves
 again gets a ``ProcMesh`` of its own. :class:`WorkerWorld` keeps those parts, numbers the ranks
 in the order of the hosts the strategy asked for (each host's *slot*), gives every worker the torch
@@ -17,7 +17,7 @@ from typing import Any
 
 from monarch.actor import HostMesh, ProcMesh
 
-from lightning_monarch.controller.hosts import host_count
+from lightning_monarch.controller.mesh.hosts import host_count
 from lightning_monarch.protocol import WorldSpec
 from lightning_monarch.worker.actor import MonarchWorker
 

@@ -29,12 +29,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.controller.callbacks import check_controller_callbacks
-from lightning_monarch.controller.channel import StageChannel
-from lightning_monarch.controller.elastic import ElasticFit
-from lightning_monarch.controller.metrics import MetricOrigins, mirror_metrics
-from lightning_monarch.controller.mirrors import OptimizerMirror, WorkerLoaders, optimizer_mirrors, plan_loaders
-from lightning_monarch.controller.plan import (
+from lightning_monarch.controller.features.elastic import ElasticFit
+from lightning_monarch.controller.loop.callbacks import check_controller_callbacks
+from lightning_monarch.controller.loop.metrics import MetricOrigins, mirror_metrics
+from lightning_monarch.controller.loop.mirrors import OptimizerMirror, WorkerLoaders, optimizer_mirrors, plan_loaders
+from lightning_monarch.controller.loop.plan import (
     PLAN_GATES,
     is_observe_only,
     make_plan,
@@ -42,10 +41,11 @@ from lightning_monarch.controller.plan import (
     saves_on_workers,
     states_can_travel,
 )
-from lightning_monarch.controller.predictions import PredictionCollector
-from lightning_monarch.controller.replay import replay_in_bulk
-from lightning_monarch.controller.storages import KeptShards
-from lightning_monarch.controller.worker_warnings import WorkerWarnings
+from lightning_monarch.controller.loop.predictions import PredictionCollector
+from lightning_monarch.controller.loop.replay import replay_in_bulk
+from lightning_monarch.controller.mesh.channel import StageChannel
+from lightning_monarch.controller.mesh.storages import KeptShards
+from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
 from lightning_monarch.errors import DivergenceError, WorkerError
 from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.protocol import (
@@ -99,7 +99,7 @@ class StageSession:
         #: When the workers wait for a snapshot; and an elastic ``fit``, which keeps its resume points there.
         self._snapshots = snapshots
         self._elastic = elastic
-        #: Shows rank 0's warnings as its entries are taken (``controller.worker_warnings``).
+        #: Shows rank 0's warnings as its entries are taken (``controller.mesh.worker_warnings``).
         self._warned = warned if warned is not None else WorkerWarnings(channel.mesh.num_workers)
         #: Entries fetched and not taken yet, and the last one taken.
         self._entries: deque[Entry] = deque()
@@ -300,7 +300,7 @@ class StageSession:
     def take_batches(self, stage: str, limit: int) -> int:
         """Take the entries of up to ``limit`` whole batches of the ``stage`` loop (``validation``,
         ``test``, ``predict``) that rank 0 has sent already, as its loop would one gate at a time,
-        without running any hook here (``controller.replay``); how many batches were taken. A batch
+        without running any hook here (``controller.loop.replay``); how many batches were taken. A batch
         is whole when the next one's start has arrived; one with a sync gate or nested results is
         left to the loop."""
         start = gate_id("callback", f"on_{stage}_batch_start")

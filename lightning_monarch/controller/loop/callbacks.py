@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_monarch.controller.stats import MeshStatsMonitor
+from lightning_monarch.controller.features.stats import MeshStatsMonitor
 
 #: Callback hooks that see live gradients: Lightning calls them inside backward and the step.
 GRADIENT_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")

@@ -3,7 +3,7 @@
 Runs on the controller, at ``Trainer(...)`` time. ``MonarchStrategy(hosts=...)`` takes any of
 them and the workers are spawned on the resulting ``HostMesh`` with Monarch's own job layer
 (``ProcessJob``, ``SlurmJob``, ``KubernetesJob``, or ``attach_to_workers``), never a launcher of
-ours. Each host gets ``devices`` workers; ``controller.world`` gives them torchrun's ``RANK``,
+ours. Each host gets ``devices`` workers; ``controller.mesh.world`` gives them torchrun's ``RANK``,
 ``LOCAL_RANK``, ``GROUP_RANK`` (the node) and ``WORLD_SIZE``, which Lightning's DDP on each worker
 reads.
 
@@ -28,7 +28,7 @@ from monarch.actor import HostMesh, attach_to_workers
 from monarch.job import SlurmJob
 
 from lightning_monarch._compat import monarch as monarch_compat
-from lightning_monarch.controller.cells import blocks_the_cell
+from lightning_monarch.controller.mesh.cells import blocks_the_cell
 from lightning_monarch.errors import UnreachableHostsError
 
 #: The name of the host mesh the workers run on, in a Monarch job's mesh specification.

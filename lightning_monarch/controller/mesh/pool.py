@@ -20,9 +20,9 @@ from typing import Optional
 from monarch.actor import HostMesh
 
 from lightning_monarch import namespaces
-from lightning_monarch.controller.cells import blocks_the_cell
-from lightning_monarch.controller.mesh import WorkerMesh
-from lightning_monarch.controller.output import WorkerOutput
+from lightning_monarch.controller.mesh.cells import blocks_the_cell
+from lightning_monarch.controller.mesh.output import WorkerOutput
+from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Runs on the controller. Lightning hands every ``fit``/``validate``/``test``/``predict`` call to the
 strategy's launcher. Bad input is rejected here before any worker starts. The mesh comes from the
-warm pool (``controller.pool``) and goes back to it after a stage that ended cleanly; after any
+warm pool (``controller.mesh.pool``) and goes back to it after a stage that ended cleanly; after any
 failure or interrupt it is stopped.
 """
 
@@ -23,19 +23,19 @@ from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch._compat.torch import tree_flatten
-from lightning_monarch.controller import preflight
-from lightning_monarch.controller.callbacks import check_controller_callbacks, check_worker_callbacks
-from lightning_monarch.controller.cells import blocks_the_cell
-from lightning_monarch.controller.channel import StageChannel
-from lightning_monarch.controller.elastic import ElasticFit, HostsReturned, PreemptionNoticed
-from lightning_monarch.controller.mesh import WorkerMesh
-from lightning_monarch.controller.mirrors import plan_loaders
-from lightning_monarch.controller.payload import pack_for_workers
-from lightning_monarch.controller.plan import make_plan, states_can_travel
-from lightning_monarch.controller.pool import MESHES
-from lightning_monarch.controller.rehearsal import rehearse
-from lightning_monarch.controller.session import StageSession
-from lightning_monarch.controller.worker_warnings import WorkerWarnings
+from lightning_monarch.controller.features import preflight
+from lightning_monarch.controller.features.elastic import ElasticFit, HostsReturned, PreemptionNoticed
+from lightning_monarch.controller.features.rehearsal import rehearse
+from lightning_monarch.controller.loop.callbacks import check_controller_callbacks, check_worker_callbacks
+from lightning_monarch.controller.loop.mirrors import plan_loaders
+from lightning_monarch.controller.loop.plan import make_plan, states_can_travel
+from lightning_monarch.controller.loop.session import StageSession
+from lightning_monarch.controller.mesh.cells import blocks_the_cell
+from lightning_monarch.controller.mesh.channel import StageChannel
+from lightning_monarch.controller.mesh.payload import pack_for_workers
+from lightning_monarch.controller.mesh.pool import MESHES
+from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
+from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
 from lightning_monarch.errors import HostsLostError, WorkerError
 from lightning_monarch.gates import install_hook_gates
 from lightning_monarch.protocol import LoaderRef, LoggerIdentity, SnapshotEpochs, StageSpec, TrainerConfig

@@ -36,8 +36,8 @@ from monarch.actor import HostMesh
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.codec import pack
-from lightning_monarch.controller.hosts import host_mesh, reachable, worker_addresses
-from lightning_monarch.controller.mesh import WorkerMesh
+from lightning_monarch.controller.mesh.hosts import host_mesh, reachable, worker_addresses
+from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.errors import HostsLostError, UnreachableHostsError
 from lightning_monarch.protocol import StageSpec
 

@@ -3,7 +3,7 @@
 Runs on the controller. The module, datamodule, dataloaders and worker callbacks travel to the
 workers pickled (``StageSpec.payload``, a ``codec.Parcel``: the pickle, with the large storages
 left out and named by the hash of their bytes, which travel apart and only where the workers do not
-hold them, ``controller.storages``); classes and functions travel by module path (except those
+hold them, ``controller.mesh.storages``); classes and functions travel by module path (except those
 defined in ``__main__``, which cloudpickle sends by value), so the workers must be able to import
 them. An object that cannot be pickled and a class the workers cannot import are both reported
 here with the fix, instead of as an unpickling error on a remote process.

@@ -24,12 +24,12 @@ from monarch.actor import HostMesh, ProcMesh, this_host
 
 from lightning_monarch._compat.monarch import SupervisionError, failed_rank
 from lightning_monarch.codec import Shipment, StorageKey, decode
-from lightning_monarch.controller import storages
-from lightning_monarch.controller.hosts import host_count
-from lightning_monarch.controller.output import WorkerOutput
-from lightning_monarch.controller.storages import KeptShards
-from lightning_monarch.controller.watch import POLL_S, ProcessWatch
-from lightning_monarch.controller.world import WorkerWorld
+from lightning_monarch.controller.mesh import storages
+from lightning_monarch.controller.mesh.hosts import host_count
+from lightning_monarch.controller.mesh.output import WorkerOutput
+from lightning_monarch.controller.mesh.storages import KeptShards
+from lightning_monarch.controller.mesh.watch import POLL_S, ProcessWatch
+from lightning_monarch.controller.mesh.world import WorkerWorld
 from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError
 from lightning_monarch.protocol import (
     Entry,
@@ -78,7 +78,7 @@ _STATUS_S = 1.0
 
 @dataclass(frozen=True)
 class Message:
-    """One message to the workers: an endpoint and its arguments (``controller.channel`` journals
+    """One message to the workers: an endpoint and its arguments (``controller.mesh.channel`` journals
     them)."""
 
     endpoint: str
@@ -94,7 +94,7 @@ class WorkerMesh:
 
     The transport of the workers' traffic: spawn, deliver a message, gather the answers, watch the
     processes, stop. A worker's exception becomes ``WorkerError``; a dead or hung worker process
-    ``MeshFailureError``, which ``controller.channel`` recovers from when restarts are allowed.
+    ``MeshFailureError``, which ``controller.mesh.channel`` recovers from when restarts are allowed.
     """
 
     def __init__(
@@ -120,7 +120,7 @@ class WorkerMesh:
         self._lost = False
         #: How long a message may wait for the workers before they count as hung; ``None`` waits.
         self.step_timeout: Optional[float] = None
-        #: Whether ``controller.preflight`` checked these workers.
+        #: Whether ``controller.features.preflight`` checked these workers.
         self.checked = False
         #: A worker's death that ended rank 0's entries, raised by the next fetch after them.
         self._death: Optional[MeshFailureError] = None
@@ -154,7 +154,7 @@ class WorkerMesh:
     def _start(self, layout: Optional[list[tuple[HostMesh, list[int]]]] = None) -> None:
         """On each host, ``per_host`` worker processes (the local ranks), each started by
         ``worker.process`` as a torchrun rank, a GPU worker pinned to the ``devices=`` index of its
-        local rank; then a ``MonarchWorker`` in each, which takes its rank (``controller.world``) and
+        local rank; then a ``MonarchWorker`` in each, which takes its rank (``controller.mesh.world``) and
         says who it is. Workers on other hosts forward their output here (``WorkerOutput``).
         ``layout``: the hosts and their slots, by default every host of the mesh."""
         WorkerOutput.forward_new_processes(self._output is not None)
@@ -207,7 +207,7 @@ class WorkerMesh:
 
     def start_stage(self, spec: StageSpec, shared_memory: bool = True) -> None:
         """Start ``spec`` on every rank, the storages of its parcels that rank 0 does not hold
-        sent once (``controller.storages``): as files in this host's shared memory where rank 0
+        sent once (``controller.mesh.storages``): as files in this host's shared memory where rank 0
         runs here and ``shared_memory`` allows, else in one message to rank 0. Until the stage
         ends cleanly, rank 0 counts as holding nothing."""
         lacking = storages.lacking(spec.parcels(), self.held)
@@ -449,7 +449,7 @@ class WorkerMesh:
     def shrink(self, gone: list[int], alive: bool = False) -> list[int]:
         """Go on without the hosts in slots ``gone``, keeping the other hosts' processes, as a
         smaller world: each worker leaves its stage and its process group and takes its place in
-        the new world (``controller.world``). Returns the slots of live hosts left out. ``alive``:
+        the new world (``controller.mesh.world``). Returns the slots of live hosts left out. ``alive``:
         the hosts still serve (they got a preemption notice), and their workers leave in good order
         too, before they are left out; the processes end with their host."""
         assert self._world is not None
@@ -483,7 +483,7 @@ class WorkerMesh:
     # ----- delivery ---------------------------------------------------------------------------
 
     def replace_processes(self) -> None:
-        """Kill the worker processes and start new ones in their place, on the same hosts (``controller.channel``)."""
+        """Kill the worker processes and start new ones in their place, on the same hosts (``controller.mesh.channel``)."""
         assert self._world is not None
         layout = [(part.hosts, part.slots) for part in self._world.parts]
         self.stop(kill=True)
@@ -570,7 +570,7 @@ class WorkerMesh:
         )
 
     def _wait(self, future: Any, started: float, limit: Optional[float], answered: list[Any]) -> Any:
-        """One answer; meanwhile, every :data:`~lightning_monarch.controller.watch.POLL_S`, check that
+        """One answer; meanwhile, every :data:`~lightning_monarch.controller.mesh.watch.POLL_S`, check that
         the worker processes live and that ``limit`` has not passed."""
         while True:
             try:

@@ -6,7 +6,7 @@ their host's output (a SLURM log file, a pod's log); with ``WorkerOutput``, Mona
 every line to the controller, where lines that workers print alike within a window are shown once
 with their count (``[8 similar log lines] [0] epoch 3 done``), so that 64 workers printing the same
 line do not bury the progress bar. Python warnings are not among those lines: every worker holds
-its own, and the controller shows each once (``controller.worker_warnings``).
+its own, and the controller shows each once (``controller.mesh.worker_warnings``).
 """
 
 from __future__ import annotations

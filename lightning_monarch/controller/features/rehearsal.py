@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_monarch import namespaces
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.controller import arguments
+from lightning_monarch.controller.launch import arguments
 from lightning_monarch.errors import RehearsalError, WorkerError
 from lightning_monarch.protocol import RankStats
 
@@ -257,7 +257,7 @@ def _size(path: str) -> int:
 
 def _copy(value: Any, trainer: Trainer) -> Any:
     """A deep copy of ``value`` without the Trainers it refers to, as the workers' payload leaves
-    them out (``controller.payload``): a LightningDataModule keeps the last Trainer it was attached to."""
+    them out (``controller.mesh.payload``): a LightningDataModule keeps the last Trainer it was attached to."""
     memo: dict[int, Any] = {id(trainer): None}
     attached = value.trainer if isinstance(value, LightningDataModule) else None
     if attached is not None:
