@@ -52,7 +52,7 @@ from lightning_monarch.benchmark.models import SIZES
 from lightning_monarch.controller.features import preflight
 from lightning_monarch.controller.features.rehearsal import DEFAULT_STEPS
 from lightning_monarch.devices import VISIBILITY_VARS, visibility
-from lightning_monarch.protocol import versions, worker_backend
+from lightning_monarch.specs import versions, worker_backend
 from lightning_monarch.strategy import MonarchStrategy
 
 PROG = "lightning-monarch"
@@ -213,7 +213,8 @@ def _info(args: argparse.Namespace) -> int:
 def _preflight(args: argparse.Namespace) -> int:
     """``lightning-monarch preflight``: start the workers and check each one, after this host's checks."""
     _check_count(args.devices)
-    return preflight.run(args)
+    strategy = MonarchStrategy(hosts=args.hosts, process_group_backend=args.process_group_backend, keep_warm=False)
+    return preflight.run(args, strategy)
 
 
 def _benchmark(args: argparse.Namespace) -> int:

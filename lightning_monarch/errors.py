@@ -7,7 +7,7 @@ from typing import Optional
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_monarch.protocol import WorkerFailure
+from lightning_monarch.reports import WorkerFailure
 
 
 class WorkerError(RuntimeError):

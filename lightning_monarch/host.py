@@ -9,7 +9,7 @@ Kubernetes' ``terminationGracePeriodSeconds``, a cloud's shutdown notice). Monar
 process dies of it at once, and its worker processes with it, so the controller learns of the loss
 only then, and an elastic ``fit`` goes back to its last resume point. Served by :func:`serve`
 instead, the host process lives on for ``grace`` seconds and writes a notice file, whose path its
-worker processes inherit (``protocol.NOTICE_VARIABLE``); they ignore SIGTERM themselves
+worker processes inherit (``specs.NOTICE_VARIABLE``); they ignore SIGTERM themselves
 (``worker.notices``). After the next optimizer step, the workers see the notice and wait, and an
 elastic ``fit`` goes on without this host from there (``controller.features.elastic``): no step is redone.
 """
@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 from monarch.actor import start_worker_loop_forever
 
-from lightning_monarch.protocol import NOTICE_VARIABLE
+from lightning_monarch.specs import NOTICE_VARIABLE
 
 log = logging.getLogger(__name__)
 

@@ -38,9 +38,8 @@ from lightning_monarch.controller.loop.checkpoints import (
     is_sharded_checkpoint,
     prepare_directory,
 )
-from lightning_monarch.controller.loop.session import StageSession
 from lightning_monarch.controller.mesh.pool import MESHES
-from lightning_monarch.protocol import ShardingSpec
+from lightning_monarch.specs import ShardingSpec
 from lightning_monarch.strategy import MonarchStrategy
 
 #: ``MonarchStrategy``'s own arguments, which the sharded strategies pass on.
@@ -116,8 +115,6 @@ class MonarchModelParallelStrategy(MonarchStrategy):
             )
         self.timeout = timeout
         self.snapshot_dir = snapshot_dir
-        #: The last stage, whose workers keep the module's shards while the mesh stays warm.
-        self._last_sharded: Optional[StageSession] = None
 
     @override
     def _arguments(self) -> dict[str, Any]:
@@ -176,12 +173,6 @@ class MonarchModelParallelStrategy(MonarchStrategy):
                 f" {tensor} does not divide the {per_host} worker(s) of a host (`devices={per_host}`). Use a"
                 f" `tensor_parallel_size` that divides `devices`, and let the data-parallel dimension span the hosts."
             )
-
-    @override
-    def _attach(self, session: Optional[StageSession]) -> None:
-        if session is None and self._session is not None:
-            self._last_sharded = self._session
-        super()._attach(session)
 
     @override
     def _sharding_for_stage(self, module: LightningModule, ckpt_path: Any) -> Optional[ShardingSpec]:
@@ -248,17 +239,9 @@ class MonarchModelParallelStrategy(MonarchStrategy):
         keeps the shards (until its next stage starts). This is the one way the full weights reach
         the controller; they must fit in its memory.
         """
-        return self._sharded_session("trainer.strategy.gather_full_state_dict()").full_state_dict()
-
-    def _sharded_session(self, call: str) -> StageSession:
-        """The stage whose workers hold the module's shards: the running one, else the last one."""
-        session = self._session or self._last_sharded
-        if session is None:
-            raise RuntimeError(
-                f"`{call}` needs the module's shards on the workers under `{type(self).__name__}`, and no stage has"
-                " run with this strategy yet. Call it during or after `trainer.fit(...)`."
-            )
-        return session
+        return self._stage.sharded_session(
+            "trainer.strategy.gather_full_state_dict()", type(self).__name__
+        ).requests.full_state_dict()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -286,7 +269,7 @@ class MonarchModelParallelStrategy(MonarchStrategy):
                 " write the shards with `torch.distributed.checkpoint`, not with the `CheckpointIO` that takes these"
                 " options. Remove `storage_options`."
             )
-        session = self._sharded_session("trainer.save_checkpoint(path)")
+        session = self._stage.sharded_session("trainer.save_checkpoint(path)", type(self).__name__)
         checkpoint.pop("state_dict", None)
         optimizers = checkpoint.pop("optimizer_states", None) is not None
         if not self.save_distributed_checkpoint:
@@ -296,10 +279,10 @@ class MonarchModelParallelStrategy(MonarchStrategy):
             if is_sharded_checkpoint(path):
                 shutil.rmtree(path)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            session.save_full_checkpoint(path, checkpoint, optimizers)
+            session.requests.save_full_checkpoint(path, checkpoint, optimizers)
             return
         directory = prepare_directory(filepath)
-        callbacks = session.save_sharded_checkpoint(str(directory), optimizers)
+        callbacks = session.requests.save_sharded_checkpoint(str(directory), optimizers)
         if callbacks:
             checkpoint.setdefault("callbacks", {}).update(callbacks)
         torch.save(checkpoint, directory / METADATA_FILENAME)

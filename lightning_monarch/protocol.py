@@ -1,7 +1,9 @@
-"""The messages the controller and the workers exchange, the gates both sides share, and the rules
-that keep the two sides' Lightning loops in step.
+"""The gates both sides share, the rules that keep the two sides' Lightning loops in step, and the
+messages of a running stage: rank 0's entries, the controller's grants and releases.
 
-Both sides import this module; nothing here talks to a mesh or runs a hook.
+Both sides import this module; nothing here talks to a mesh or runs a hook. What a stage is given
+is in :mod:`lightning_monarch.specs`, what the workers report besides entries in
+:mod:`lightning_monarch.reports`.
 
 The run-ahead invariants, cited elsewhere as R1-R8:
 
@@ -45,15 +47,13 @@ R8. A worker's failure ends its stage. The controller raises it after it has rep
 
 from __future__ import annotations
 
-import socket
-import traceback
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from typing_extensions import override
 
-from lightning_monarch._compat.torch import tree_map
-from lightning_monarch.codec import Parcel, Shipment, StorageKey
+from lightning_monarch.codec import StorageKey
+from lightning_monarch.reports import CheckpointState, WorkerFailure, WorkerWarning
 
 #: Hooks that both a ``LightningModule`` and a ``Callback`` have (the callback's take the Trainer
 #: and the module first).
@@ -213,26 +213,6 @@ def _gate_table() -> dict[str, Gate]:
 CONTROL_STATE: tuple[str, ...] = ("should_stop", "accumulate_grad_batches")
 
 
-def versions() -> dict[str, Optional[str]]:
-    """This process's torch, Lightning, CUDA and HIP versions: the controller's and every
-    worker's must agree."""
-    import lightning
-    import torch
-
-    return {
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "cuda": torch.version.cuda,
-        "hip": torch.version.hip,
-    }
-
-
-def worker_backend(accelerator: str, chosen: Optional[str]) -> str:
-    """The workers' ``torch.distributed`` backend: the one chosen, else what Lightning's DDP picks
-    (``nccl`` on GPUs, which is RCCL on a ROCm build of torch; ``gloo`` on CPUs)."""
-    return chosen or ("nccl" if accelerator == "cuda" else "gloo")
-
-
 #: The gate where a training stage is snapshotted for recovery: the start of a training epoch,
 #: the boundary from which Lightning resumes a checkpoint exactly (it cannot resume mid-epoch at
 #: an exact batch). The snapshot is read while the workers are parked right after this gate.
@@ -244,9 +224,6 @@ SNAPSHOT_GATE = "callback.on_train_epoch_start"
 #: checkpoint that ``ModelCheckpoint(every_n_train_steps=...)`` writes.
 NOTICE_GATE = "callback.on_train_batch_end"
 
-#: The environment variable that a host serving preemption notices (``lightning-monarch serve``)
-#: gives its worker processes: the file it writes when it gets SIGTERM.
-NOTICE_VARIABLE = "LIGHTNING_MONARCH_NOTICE_FILE"
 
 #: How many copies of its checkpoint state rank 0 keeps for the controller to fetch at most (R6):
 #: each is a whole model and optimizer state in host memory.
@@ -268,191 +245,6 @@ def gate_id(owner: str, hook: str) -> str:
 
 #: Every gate, by name (R2), with how it behaves.
 GATES: dict[str, Gate] = _gate_table()
-
-
-@dataclass(frozen=True)
-class ShardingSpec:
-    """How the workers shard the module under ``MonarchModelParallelStrategy``: on a device mesh
-    of ``mesh_shape``, in the module's own ``configure_model``; under ``MonarchFSDPStrategy``
-    (``wraps``) then with FSDP2's ``fully_shard``, each instance of the ``policy`` module classes,
-    then the root module (see ``worker.sharding``). The options apply to the ``fully_shard`` calls
-    the workers make, not to the module's own."""
-
-    #: The workers' device mesh, (data parallel, tensor parallel) sizes, as Lightning's
-    #: ``ModelParallelStrategy`` takes them.
-    mesh_shape: tuple[int, int] = (1, 1)
-    #: Whether the workers shard the module after its own ``configure_model`` (``MonarchFSDPStrategy``);
-    #: otherwise that hook applies every parallelism itself, as under Lightning's strategy.
-    wraps: bool = True
-    #: Whether a checkpoint is a directory of every rank's shards, or one file rank 0 writes.
-    save_distributed_checkpoint: bool = True
-    #: The workers' process-group timeout (a ``timedelta``), as Lightning's strategy takes it.
-    timeout: Optional[Any] = None
-    policy: tuple[type, ...] = ()
-    #: FSDP2's ``MixedPrecisionPolicy`` (a param and a reduce dtype), or ``None`` for none.
-    mixed_precision: Optional[Any] = None
-    #: Module classes whose every instance recomputes its activations in the backward pass.
-    activation_checkpointing: tuple[type, ...] = ()
-    #: Keep the sharded parameters (and so their gradients and optimizer state) on the CPU.
-    cpu_offload: bool = False
-    #: The module's weights are the shards the workers kept from its last sharded stage (the
-    #: controller's module is on the meta device): once sharded, each rank loads its own.
-    from_shards: bool = False
-
-    def no_match_warning(self) -> str:
-        """The warning for a policy that names no class of the module's submodules."""
-        names = ", ".join(cls.__name__ for cls in self.policy)
-        return (
-            f"`MonarchFSDPStrategy(fsdp_policy={{{names}}})`: the module has no submodule of these"
-            " classes, so FSDP2 shards it as one unit (the root module) and every step gathers all of its"
-            " parameters at once. Name the classes of its repeated blocks (e.g. its transformer layers) in"
-            " `fsdp_policy`."
-        )
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    """The controller Trainer's flags that a worker's Trainer must share so both loops agree (R1)."""
-
-    accelerator: str
-    devices: int
-    num_nodes: int
-    precision: str
-    process_group_backend: Optional[str]
-    flags: dict[str, Any]
-    ddp_kwargs: dict[str, Any]
-    #: ``None``: a DDP replica per worker; else the module is sharded with FSDP2.
-    sharding: Optional[ShardingSpec] = None
-
-
-@dataclass(frozen=True)
-class PreflightSpec:
-    """What every worker checks before the first step (see ``worker.preflight``): the controller's
-    versions to match, the device kind, and an all-reduce of ``all_reduce_mib`` MiB that must
-    finish within ``all_reduce_limit_s``."""
-
-    accelerator: str
-    process_group_backend: Optional[str]
-    versions: dict[str, Optional[str]]
-    all_reduce_mib: float
-    all_reduce_limit_s: float
-
-
-@dataclass(frozen=True)
-class WorkerReport:
-    """One worker's answer to a :class:`PreflightSpec`: where it runs, what it sees, how fast its
-    all-reduce was, every problem found (empty when all is well) and every warning."""
-
-    rank: int
-    host: str
-    pid: int
-    device: str
-    device_memory_gib: Optional[float]
-    versions: dict[str, Optional[str]]
-    visible_devices: dict[str, str]
-    all_reduce_s: Optional[float]
-    problems: list[str]
-    #: Settings known to cause hangs (RCCL's, on ROCm); reported, not fatal.
-    warnings: list[str]
-
-
-@dataclass(frozen=True)
-class RankSnapshot:
-    """One rank's part of a snapshot: what a Lightning checkpoint does not hold (the random
-    states, the module's public attributes, the Trainer's stored metric values), and on rank 0
-    the checkpoint itself (``torch.save`` bytes; ``None`` under sharding, where every rank writes its
-    shards into the snapshot's directory instead), all read at :data:`SNAPSHOT_GATE`."""
-
-    rank: int
-    rng: dict[str, Any]
-    attributes: dict[str, Any]
-    metrics: dict[str, dict[str, Any]]
-    checkpoint: Optional[bytes]
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where a replacement worker's stage starts: Lightning's own resume from ``checkpoint``, run
-    without gates up to :data:`SNAPSHOT_GATE`, where each rank takes back its random states and
-    module attributes from ``ranks``; from there the controller replays its journal.
-
-    ``checkpoint`` is rank 0's Lightning checkpoint (``torch.save`` bytes, packed as a ``Parcel``
-    whose bytes travel once) under ``ddp``, and under ``MonarchFSDPStrategy`` the path of the sharded
-    checkpoint directory that every rank wrote its shards into
-    (``controller.loop.checkpoints.SnapshotDirectory``)."""
-
-    checkpoint: Union[Parcel, str]
-    ranks: tuple[RankSnapshot, ...]
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """Everything a worker needs to run one Trainer stage: sent once per stage.
-
-    ``fit_loop_state`` is the controller's ``trainer.fit_loop.state_dict()``: a Trainer that ran
-    ``fit`` before carries its epoch and step into later stages, and so must each worker's.
-    ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks)``, a
-    ``codec.Parcel``: it is pickled once on the controller (where a failure is reported before any
-    worker starts), and every worker gets its pickle, while its large storages (the weights) leave
-    the controller at most once, as ``shipment`` says, and not at all where the workers hold them
-    (``worker.storages``).
-    """
-
-    fn: str
-    payload: Parcel
-    ckpt_path: Optional[str]
-    fit_loop_state: dict[str, Any]
-    trainer: TrainerConfig
-    loggers: list[LoggerIdentity]
-    sys_path: tuple[str, ...]
-    #: Environment variables to set on the worker; ``None`` unsets one.
-    env: dict[str, Optional[str]]
-    #: How far the workers may lead, where they wait, what their entries carry (R4-R6).
-    run_ahead: RunAhead
-    #: Set when new workers replace failed ones: the snapshot they resume from.
-    resume: Optional[ResumePoint] = None
-    #: A rehearsal (``controller.features.rehearsal``): every rank records its batch times and memory
-    #: (``worker.stats.RehearsalRecorder``), read with its stats.
-    rehearsal: bool = False
-    #: A checkpoint file's bytes that travel with the stage (a ``Parcel``, as the payload's
-    #: storages do), for workers on hosts that may not reach the controller's disk: the workers
-    #: resume from it instead of ``ckpt_path`` (an elastic ``fit`` going on from its resume point in
-    #: a smaller world, ``controller.features.elastic``).
-    checkpoint: Optional[Parcel] = None
-    #: How the storages of its parcels that rank 0 does not hold travel (set as it is sent).
-    shipment: Shipment = Shipment()
-
-    def parcels(self) -> list[Parcel]:
-        """The parcels the stage opens: the payload, and a checkpoint's bytes where one travels."""
-        resumed = self.resume.checkpoint if self.resume is not None else None
-        return [parcel for parcel in (self.payload, self.checkpoint, resumed) if isinstance(parcel, Parcel)]
-
-
-@dataclass(frozen=True)
-class WorldSpec:
-    """The world a worker joins (``MonarchWorker.join_world``): what it needs to set torchrun's
-    environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) for its place in it. Made by
-    ``controller.mesh.world`` when the mesh starts and whenever elastic training changes its hosts."""
-
-    master_addr: str
-    master_port: int
-    #: Workers per host, and hosts.
-    local_world_size: int
-    group_world_size: int
-    #: The hosts' dimension of the mesh the worker's actor was spawned on (``None`` for one host).
-    host_dimension: Optional[str]
-    #: The group rank (the host's place in the world) of each host coordinate of that mesh.
-    group_ranks: dict[int, int]
-
-
-@dataclass(frozen=True)
-class LoggerIdentity:
-    """What module code on a worker sees of one of the controller's loggers (``self.logger.name``)."""
-
-    name: Optional[str]
-    version: Any
-    save_dir: Optional[str]
-    log_dir: Optional[str]
 
 
 @dataclass(frozen=True)
@@ -657,126 +449,3 @@ class RankStatus:
     rank: int
     gates: int
     failure: Optional[WorkerFailure] = None
-
-
-@dataclass(frozen=True)
-class OptimizerRef:
-    """An optimizer the user's ``configure_optimizers`` returned, described for the controller."""
-
-    index: int
-    class_name: str
-    param_groups: list[dict[str, Any]]
-    #: Whether ``step(closure)`` calls the closure exactly once (torch's own optimizers, LBFGS
-    #: aside), so the controller knows how often to run its closure without asking.
-    single_closure: bool
-
-
-@dataclass(frozen=True)
-class SchedulerRef:
-    """An LR scheduler the user's ``configure_optimizers`` returned, described for the controller."""
-
-    optimizer_index: int
-    reduce_on_plateau: bool
-
-
-@dataclass(frozen=True)
-class LoaderRef:
-    """A dataloader that a ``*_dataloader`` hook returned; the controller iterates batch indices."""
-
-    batch_size: Optional[int]
-
-    @classmethod
-    def describe(cls, loaders: Any) -> Any:
-        """The same tree as ``loaders`` (a loader, or lists/dicts of them) with each loader described."""
-        return tree_map(lambda loader: cls(batch_size=getattr(loader, "batch_size", None)), loaders)
-
-
-@dataclass(frozen=True)
-class PredictionShard:
-    """One rank's ``predict_step`` output for one batch, with the dataset indices of its samples."""
-
-    output: Any
-    batch_indices: list[int]
-    dataloader_idx: int
-
-
-@dataclass(frozen=True)
-class WorkerFailure:
-    """An exception raised on a worker, with where it happened and the remote traceback."""
-
-    rank: int
-    host: str
-    hook: Optional[str]
-    exception_type: str
-    message: str
-    traceback: str
-    #: The memory the worker had in use when it failed, in MiB: its GPU's allocated memory, or on a
-    #: CPU worker its process's resident size.
-    memory_mib: Optional[float] = None
-
-    @classmethod
-    def capture(cls, error: BaseException, rank: int, hook: Optional[str], memory_mib: float) -> WorkerFailure:
-        """Describe ``error``, raised on this host at rank ``rank`` in ``hook`` with ``memory_mib`` in
-        use (``worker.stats.memory_in_use_mib``), with its traceback."""
-        return cls(
-            rank=rank,
-            host=socket.gethostname(),
-            hook=hook,
-            exception_type=type(error).__name__,
-            message=str(error),
-            traceback="".join(traceback.format_exception(error)),
-            memory_mib=memory_mib,
-        )
-
-
-@dataclass(frozen=True)
-class WorkerWarning:
-    """A Python warning a worker process showed, held for the controller to show once
-    (``worker.held_warnings``, ``controller.mesh.worker_warnings``): what ``warnings.showwarning`` got,
-    the class named ``module:qualname``."""
-
-    category: str
-    message: str
-    filename: str
-    lineno: int
-
-
-@dataclass(frozen=True)
-class CheckpointState:
-    """Rank 0's model, optimizer, LR-scheduler, worker-callback and precision-plugin state (the
-    gradient scaler's under ``precision="16-mixed"``), for a checkpoint or the end of a stage."""
-
-    model: dict[str, Any]
-    optimizers: list[dict[str, Any]]
-    lr_schedulers: list[dict[str, Any]]
-    callbacks: dict[str, Any]
-    precision: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class RankValue:
-    """One rank's value of something every rank has (a metric), for the controller to compare."""
-
-    rank: int
-    value: Any
-
-
-@dataclass(frozen=True)
-class ModuleAttributes:
-    """A rank's module's public Python attributes that can travel, and for every other one why it
-    cannot (its pickling error)."""
-
-    values: dict[str, Any]
-    dropped: dict[str, str]
-
-
-@dataclass(frozen=True)
-class RankStats:
-    """One worker's answer to a stats read for ``MeshStatsMonitor`` (see ``worker.stats``), taken
-    where its loop is parked: named values with their unit in the name (``rss_mib``,
-    ``step_time_ms``, ...), and, once per worker process, why a GPU tool gives nothing (``None``
-    when nothing is missing)."""
-
-    rank: int
-    values: dict[str, float]
-    missing: Optional[str] = None

@@ -10,35 +10,32 @@ across the workers instead.
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.features.rehearsal import RehearsalReport
-from lightning_monarch.controller.launch import arguments
+from lightning_monarch.controller.launch import arguments, configuration
 from lightning_monarch.controller.launch.accelerator import WorkerGPUAccelerator
 from lightning_monarch.controller.launch.launcher import MonarchLauncher
+from lightning_monarch.controller.loop import collectives
+from lightning_monarch.controller.loop.attached import AttachedStage
 from lightning_monarch.controller.loop.checkpoints import SnapshotDirectory
 from lightning_monarch.controller.loop.mirrors import GradScalerMirror
 from lightning_monarch.controller.loop.session import StageSession
-from lightning_monarch.controller.mesh.hosts import host_mesh
-from lightning_monarch.controller.mesh.output import WorkerOutput
 from lightning_monarch.controller.mesh.pool import MeshKey
-from lightning_monarch.devices import host_gpu_count, pin
-from lightning_monarch.protocol import CheckpointState, RankStats, ShardingSpec
+from lightning_monarch.reports import RankStats
+from lightning_monarch.specs import ShardingSpec
 
 #: Keyword arguments of ``DistributedDataParallel`` that the workers' ``DDPStrategy`` passes on.
 _DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
@@ -196,7 +193,7 @@ class MonarchStrategy(ParallelStrategy):
         self.rehearse = arguments.flag(owner, "rehearse", rehearse)
         #: The report of the last rehearsal (``rehearse=True``), ``None`` before one.
         self.rehearsal: Optional[RehearsalReport] = None
-        #: Whether this strategy runs a rehearsal (:meth:`_rehearsal_twin`).
+        #: Whether this strategy runs a rehearsal (``controller.features.rehearsal.rehearsal_twin``).
         self._rehearsing = False
         #: How many times this strategy's stages replaced their worker processes after a failure.
         self.restarts = 0
@@ -209,8 +206,8 @@ class MonarchStrategy(ParallelStrategy):
         self._host_mesh: Optional[Any] = None
         self._num_nodes = 1
         self._layer_sync: Optional[Any] = None
-        self._session: Optional[StageSession] = None
-        self._last_state: Optional[CheckpointState] = None
+        #: The stage in progress and what the last one left (rank 0's state, a sharded stage's session).
+        self._stage = AttachedStage()
         self._undo_on_exception: Optional[Callable[[], None]] = None
 
     @classmethod
@@ -250,18 +247,7 @@ class MonarchStrategy(ParallelStrategy):
 
     def _mesh_key(self) -> MeshKey:
         """What a warm mesh must match to run this strategy's next stage."""
-        devices = self.parallel_devices or ()
-        gpu_indices = tuple(device.index or 0 for device in devices) if self.worker_accelerator == "cuda" else None
-        return MeshKey(
-            self.worker_accelerator,
-            self.process_group_backend,
-            self._host_mesh,
-            len(devices),
-            gpu_indices,
-            self._pins_here(gpu_indices),
-            WorkerOutput(self.aggregate_window_sec) if self._host_mesh is not None else None,
-            hold_warnings=self.aggregate_window_sec is not None,
-        )
+        return configuration.mesh_key(self)
 
     def _arguments(self) -> dict[str, Any]:
         """The arguments this strategy was made with, as its constructor takes them."""
@@ -283,31 +269,6 @@ class MonarchStrategy(ParallelStrategy):
             **self.ddp_kwargs,
         }
 
-    def _rehearsal_twin(self) -> MonarchStrategy:
-        """A strategy like this one for a rehearsal's Trainer (``controller.features.rehearsal``): on the same
-        hosts (their ``HostMesh``, so that both take the same warm mesh), kept warm for the run that
-        follows, without restarts, elastic training or a rehearsal of its own."""
-        twin = type(self)(
-            **{
-                **self._arguments(),
-                "hosts": self._host_mesh,
-                "max_restarts": 0,
-                "min_nodes": None,
-                "keep_warm": True,
-                "rehearse": False,
-            }
-        )
-        twin._rehearsing = True
-        return twin
-
-    def _pins_here(self, gpu_indices: Optional[tuple[int, ...]]) -> Optional[tuple[tuple[str, str], ...]]:
-        """For GPU workers on this host: the visibility variable each local rank will pin itself
-        with (``worker.process``), from this process's environment, which they inherit. A mask
-        that cannot give every worker its GPU raises here, before any worker starts."""
-        if gpu_indices is None or self._host_mesh is not None:
-            return None
-        return tuple(pin(index, os.environ, rocm=torch.version.hip is not None) for index in gpu_indices)
-
     @ParallelStrategy.precision_plugin.setter  # type: ignore[attr-defined]
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
         """Lightning's plugin for the ``precision=`` flag, made inert where it would act on this
@@ -317,7 +278,7 @@ class MonarchStrategy(ParallelStrategy):
         if isinstance(plugin, MixedPrecision):
             plugin.device = "cpu"
             if plugin.scaler is not None:
-                plugin.scaler = GradScalerMirror(self._require_worker_state)
+                plugin.scaler = GradScalerMirror(self._stage.require_checkpoint_state)
         lightning_compat.set_precision_plugin(self, plugin)
 
     @property
@@ -331,60 +292,7 @@ class MonarchStrategy(ParallelStrategy):
 
     def _check_configuration(self) -> None:
         """Reject Trainer arguments that cannot work with a Monarch mesh, at ``Trainer(...)`` time."""
-        accelerator = self.accelerator
-        if not isinstance(accelerator, (CPUAccelerator, CUDAAccelerator, WorkerGPUAccelerator)):
-            raise MisconfigurationException(
-                f"`Trainer(strategy='monarch', accelerator={type(accelerator).__name__})`: Monarch workers run"
-                " on CPUs or on CUDA/ROCm GPUs. Use `accelerator='cpu'` or `accelerator='gpu'`."
-            )
-        if self.hosts is None and self.num_nodes != 1:
-            raise MisconfigurationException(
-                f"`Trainer(strategy='monarch', num_nodes={self.num_nodes})`: without `MonarchStrategy(hosts=...)` the"
-                " workers run on this host only. Give the hosts, e.g. `MonarchStrategy(hosts=SlurmJob(...))`, or"
-                " use `num_nodes=1`."
-            )
-        if self.min_nodes is not None:
-            self._check_min_nodes()
-        if self.hosts is not None:
-            self._host_mesh = host_mesh(self.hosts, self.num_nodes, self._gpus_per_host, self.connect_timeout)
-        self._check_gpus_here()
-        precision = self.precision_plugin
-        if not type(precision).__module__.startswith("lightning.pytorch.plugins.precision"):
-            raise MisconfigurationException(
-                f"`Trainer(strategy='monarch', plugins=[{type(precision).__name__}(...)])`: the workers build their"
-                " precision plugin from the `precision=` flag, so a custom precision plugin would not reach"
-                " them. Pass `precision='bf16-mixed'` (or another precision string) instead."
-            )
-
-    def _check_min_nodes(self) -> None:
-        """``min_nodes`` counts hosts the run may go on with: some of the ``num_nodes`` it asks for."""
-        if self.hosts is None:
-            raise MisconfigurationException(
-                f"`MonarchStrategy(min_nodes={self.min_nodes})` lets a run go on when hosts are lost, but without"
-                " `MonarchStrategy(hosts=...)` every worker runs on this host, the controller's, which the run"
-                " cannot go on without. Give the hosts (a Monarch job or worker addresses), or drop `min_nodes`."
-            )
-        if self.min_nodes > self.num_nodes:
-            raise MisconfigurationException(
-                f"`MonarchStrategy(min_nodes={self.min_nodes})` is more than `Trainer(num_nodes={self.num_nodes})`:"
-                f" the run may go on with at most the {self.num_nodes} host(s) it asks for. Use"
-                f" `min_nodes<={self.num_nodes}`."
-            )
-
-    def _check_gpus_here(self) -> None:
-        """GPU workers on this host need a GPU each: refuse a mask that cannot give them one, or
-        more devices than the host has (counted by NVML or AMD SMI, which initialize no GPU)."""
-        key = self._mesh_key()
-        found = host_gpu_count()
-        if key.pins is None or found is None:
-            return
-        missing = sorted({int(device) for _, device in key.pins if device.isdigit() and int(device) >= found})
-        if missing:
-            raise MisconfigurationException(
-                f"`Trainer(strategy='monarch', accelerator='gpu', devices={self._devices_argument()})` pins worker"
-                f" processes to GPU(s) {missing}, but this host has {found} GPU(s). Ask for `devices={found}` or"
-                " fewer, or give `MonarchStrategy(hosts=...)` to run the workers on other hosts."
-            )
+        configuration.check_configuration(self)
 
     def _devices_argument(self) -> Any:
         """``Trainer(devices=...)`` as it selects this strategy's devices: a count, or GPU indices."""
@@ -455,16 +363,16 @@ class MonarchStrategy(ParallelStrategy):
         check with a real all-reduce."""
         if lightning_compat.checks_loader_lengths():
             return tensor
-        result = self._on_workers(
-            "reduce", tensor, group, {"reduce_op": reduce_op}, f"reduce(..., reduce_op={reduce_op!r})"
-        )
+        call = f"reduce(..., reduce_op={reduce_op!r})"
+        result = collectives.on_workers(self._stage.session, "reduce", tensor, group, {"reduce_op": reduce_op}, call)
         return tensor.copy_(result)  # in place, as DDP's reduce leaves rank 0's tensor
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
         """Rank 0's result of gathering ``tensor`` from every worker, each with its own value of it:
         as for :meth:`reduce`, ``tensor`` must be a value the workers sent, as it came."""
-        return self._on_workers("all_gather", tensor, group, {"sync_grads": sync_grads}, "all_gather(...)")
+        options = {"sync_grads": sync_grads}
+        return collectives.on_workers(self._stage.session, "all_gather", tensor, group, options, "all_gather(...)")
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -474,47 +382,7 @@ class MonarchStrategy(ParallelStrategy):
         decision (rank 0's) is every rank's when every worker holds the same value of that metric,
         and otherwise it raises, naming the metric. Any other caller's decision cannot be known for
         the other ranks, and raises."""
-        caller, function = lightning_compat.decision_caller()
-        if function == "file_exists" or self._session is None:
-            return decision
-        monitor = getattr(caller, "monitor", None)
-        if not isinstance(monitor, str):
-            raise RuntimeError(
-                f"`trainer.strategy.reduce_boolean_decision(...)` called from `{type(caller).__name__}.{function}` on"
-                " the controller under strategy='monarch': the controller runs that code once, as rank 0, and"
-                " cannot know what the other ranks would decide under `ddp`. Decide from values every rank shares"
-                " (metrics logged with `sync_dist=True`) and use the decision as it is, or run the code on the"
-                " workers, e.g. as a callback in `MonarchStrategy(worker_callbacks=[...])`."
-            )
-        values = self._session.metric_on_every_rank("callback_metrics", monitor)
-        if any(not _same(value, values[0]) for value in values):
-            held = ", ".join(f"rank {rank}: {_shown(value)}" for rank, value in enumerate(values))
-            raise RuntimeError(
-                f"`{type(caller).__name__}(monitor={monitor!r})` decides on the controller from rank 0's"
-                f" `{monitor}`, and under `ddp` every rank decides from its own; but the workers hold different"
-                f" values of it ({held}), so rank 0's decision alone could differ from `ddp`'s. Log it with"
-                " `sync_dist=True` in the module's `self.log(...)` call, so that every rank holds the same value,"
-                " as Lightning recommends for a monitored metric."
-            )
-        return decision
-
-    def _on_workers(self, kind: str, tensor: Any, group: Optional[Any], options: dict[str, Any], call: str) -> Any:
-        """Run the collective ``kind`` on the workers, each on its own counterpart of ``tensor``."""
-        origin = self._session.metric_origins.origin(tensor) if self._session is not None else None
-        if origin is None or group is not None:
-            what = "a process group of the controller's" if group is not None else "this tensor"
-            raise RuntimeError(
-                f"`trainer.strategy.{call}` on the controller under strategy='monarch': the controller holds one"
-                f" copy of each value, rank 0's, and {what} is not one the workers know, so no worker can take"
-                " part with its own counterpart of it. Pass a value of `trainer.callback_metrics`,"
-                " `trainer.progress_bar_metrics` or `trainer.logged_metrics` as it is (each worker then uses"
-                " its own value of that metric), log the value from the LightningModule with"
-                " `self.log(name, value, sync_dist=True)` and read it from `trainer.callback_metrics`, or run"
-                " the code on the workers, e.g. as a callback in `MonarchStrategy(worker_callbacks=[...])`."
-            )
-        view, key = origin
-        assert self._session is not None  # ``origin`` is found only through a session
-        return self._session.collective(kind, view, key, options)
+        return collectives.boolean_decision(self._stage.session, decision)
 
     # ----- state that lives on the workers ---------------------------------------------------
 
@@ -522,24 +390,18 @@ class MonarchStrategy(ParallelStrategy):
     def worker_pids(self) -> list[int]:
         """The process IDs of the stage's workers, in rank order (new ones after a restart); empty
         outside a stage."""
-        return self._session.worker_pids if self._session is not None else []
+        return self._stage.worker_pids
 
     def read_worker_stats(self) -> list[RankStats]:
         """Runs on the controller: every worker's device, process and step-time stats, in rank
         order, read where the workers' loops are parked (one message to every worker; see
         ``MeshStatsMonitor``). Only during a stage."""
-        if self._session is None:
-            raise RuntimeError(
-                "The workers' stats can only be read while a `fit`, `validate`, `test` or `predict` runs."
-            )
-        return self._session.read_stats()
+        return self._stage.read_stats()
 
     def _attach(self, session: Optional[StageSession]) -> None:
         """Runs on the controller, called by the launcher: the session of the stage in progress, or
         ``None`` after it."""
-        if session is None and self._session is not None:
-            self._last_state = self._session.final_state or self._last_state
-        self._session = session
+        self._stage.attach(session)
 
     def _sharding_for_stage(self, module: LightningModule, ckpt_path: Any) -> Optional[ShardingSpec]:
         """Runs on the controller, called by the launcher before any worker starts: how the workers
@@ -559,50 +421,22 @@ class MonarchStrategy(ParallelStrategy):
         """Hold ``undo`` until Lightning has run its exception hooks (see ``on_exception``)."""
         self._undo_on_exception = undo
 
-    def _worker_state(self) -> Optional[CheckpointState]:
-        if self._session is not None:
-            return self._session.checkpoint_state()
-        return self._last_state
-
-    def _require_worker_state(self) -> CheckpointState:
-        state = self._worker_state()
-        if state is None:
-            raise RuntimeError(
-                "The workers' optimizer and precision state is only known during or after `trainer.fit`."
-            )
-        return state
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Rank 0's weights."""
-        if self._session is not None:
-            return self._session.checkpoint_state().model
+        if self._stage.session is not None:
+            return self._stage.session.checkpoint_state().model
         return super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Rank 0's optimizer state."""
-        return self._require_worker_state().optimizers[self.optimizers.index(optimizer)]
+        return self._stage.require_checkpoint_state().optimizers[self.optimizers.index(optimizer)]
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write ``checkpoint`` with the worker callbacks' state added, as DDP's rank 0 would."""
-        writers = [
-            type(callback).__name__
-            for callback in self.worker_callbacks
-            if is_overridden("on_save_checkpoint", callback, Callback)
-        ]
-        if writers and self._session is None:
-            raise RuntimeError(
-                f"`trainer.save_checkpoint(...)` after the stage under strategy='monarch': the worker callbacks"
-                f" {writers} add to every checkpoint in `on_save_checkpoint`, which runs on the workers, and the"
-                " workers have dropped the finished stage. Save it while the stage runs, e.g. from a callback's"
-                " `on_fit_end` (`trainer.save_checkpoint(path)`), or keep `ModelCheckpoint(save_last=True)`'s"
-                " `last.ckpt`."
-            )
-        state = self._worker_state()
-        if state is not None and state.callbacks:
-            checkpoint.setdefault("callbacks", {}).update(state.callbacks)
+        self._stage.add_worker_callbacks_state(checkpoint, self.worker_callbacks)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -614,15 +448,3 @@ class MonarchStrategy(ParallelStrategy):
         undo, self._undo_on_exception = self._undo_on_exception, None
         if undo is not None:
             undo()
-
-
-def _same(value: Any, other: Any) -> bool:
-    if isinstance(value, torch.Tensor) and isinstance(other, torch.Tensor):
-        return value.shape == other.shape and torch.equal(value, other)
-    return value is None and other is None
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return f"{value.item():g}"
-    return "none" if value is None else str(value)

@@ -33,7 +33,8 @@ from lightning_monarch.codec import pack
 from lightning_monarch.controller.mesh.hosts import HOSTS_MESH
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh, failed_rank
 from lightning_monarch.devices import pin
-from lightning_monarch.protocol import PreflightSpec, RunAhead, StageSpec, TrainerConfig, versions
+from lightning_monarch.protocol import RunAhead
+from lightning_monarch.specs import PreflightSpec, StageSpec, TrainerConfig, versions
 from tests.models import Classifier
 from tests.served_hosts import ServedHost
 

@@ -26,7 +26,7 @@ from monarch.job import ProcessJob
 from lightning_monarch import HostsLostError, MonarchFSDPStrategy, MonarchStrategy, stop_meshes
 from lightning_monarch.controller.features.elastic import ACCUMULATION_METRIC, WORLD_SIZE_METRIC, ElasticFit
 from lightning_monarch.controller.mesh.world import surviving_positions
-from lightning_monarch.protocol import WorldSpec
+from lightning_monarch.specs import WorldSpec
 from lightning_monarch.worker.process import torch_elastic_env
 from tests import elastic_runs
 from tests.conftest import run_reference, worker_processes

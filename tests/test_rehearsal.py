@@ -22,7 +22,14 @@ from lightning_monarch import (
     cli,
     rehearse,
 )
-from lightning_monarch.controller.features.rehearsal import Projection, RankRehearsal, RehearsalReport, _copy, _warnings
+from lightning_monarch.controller.features.rehearsal import (
+    Projection,
+    RankRehearsal,
+    RehearsalReport,
+    _copy,
+    _warnings,
+    rehearsal_twin,
+)
 from lightning_monarch.controller.mesh.pool import MESHES
 from tests.models import ClassificationDataModule, Classifier, DataModuleClassifier
 from tests.parity_cases import comparable_checkpoint
@@ -206,17 +213,17 @@ def test_the_rehearsals_strategy_is_the_runs_without_restarts_or_elastic_trainin
     strategy = MonarchStrategy(
         max_restarts=2, max_ahead=4, step_timeout=60.0, rehearse=True, find_unused_parameters=True
     )
-    twin = strategy._rehearsal_twin()
+    twin = rehearsal_twin(strategy)
     assert type(twin) is MonarchStrategy and twin._rehearsing and not strategy._rehearsing
     assert twin._arguments() == {**strategy._arguments(), "max_restarts": 0, "rehearse": False}
     sharded = MonarchFSDPStrategy(fsdp_policy={torch.nn.Linear}, cpu_offload=True, keep_warm=False)
-    sharded_twin = sharded._rehearsal_twin()
+    sharded_twin = rehearsal_twin(sharded)
     assert type(sharded_twin) is MonarchFSDPStrategy
     assert sharded_twin._arguments() == {**sharded._arguments(), "keep_warm": True}  # the run takes its mesh
     two_d = MonarchModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=2, save_distributed_checkpoint=False
     )
-    two_d_twin = two_d._rehearsal_twin()
+    two_d_twin = rehearsal_twin(two_d)
     assert type(two_d_twin) is MonarchModelParallelStrategy and two_d_twin._arguments() == two_d._arguments()
 
 

@@ -15,11 +15,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
-from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.connectors import callback_connector
@@ -34,22 +32,16 @@ __all__ = [
     "LR_SCHEDULER_TYPES",
     "Launcher",
     "LoggerConnector",
-    "batch_loops",
-    "batches_in",
     "carry_fit_progress",
     "checkpoint_every_n_epochs",
     "checkpoint_schedule",
     "checks_loader_lengths",
-    "combined_loader_lengths",
     "decision_caller",
     "dump_checkpoint",
     "end_restart",
-    "fetched_batches",
     "logger_connector_class",
     "metric_store",
     "manual_step_progress",
-    "predict_batch_indices",
-    "record_eval_epoch_metrics",
     "resolve_ckpt_path",
     "restore_stored_metrics",
     "rng_states",
@@ -59,13 +51,11 @@ __all__ = [
     "set_precision_plugin",
     "set_rng_states",
     "set_threads_as_launched",
-    "skip_batches",
     "stage_of",
     "stepped_this_batch",
     "stored_metrics",
     "trainer_flags",
     "without_external_callbacks",
-    "wrap_batch_step",
 ]
 
 #: The Lightning release this door was last checked against.
@@ -290,121 +280,6 @@ def resolve_ckpt_path(trainer: Trainer, fn: TrainerFn, ckpt_path: Any, model_pro
         fn, ckpt_path, model_provided=model_provided, model_connected=trainer.lightning_module is not None
     )
     return None if path is None else str(path)
-
-
-def _loops_by_stage(trainer: Trainer) -> dict[str, Any]:
-    fitting = trainer.state.fn == TrainerFn.FITTING
-    return {
-        "train": trainer.fit_loop,
-        "val": trainer.fit_loop.epoch_loop.val_loop if fitting else trainer.validate_loop,
-        "test": trainer.test_loop,
-        "predict": trainer.predict_loop,
-    }
-
-
-#: The batch step of each evaluation and prediction loop, by the name of its stage's hooks.
-_BATCH_STEPS = {"validation": "_evaluation_step", "test": "_evaluation_step", "predict": "_predict_step"}
-
-
-def batch_loops(trainer: Trainer) -> dict[str, list[Any]]:
-    """The evaluation and prediction loops, by the name of their hooks' stage (``on_<stage>_batch_end``)."""
-    return {
-        "validation": [trainer.validate_loop, trainer.fit_loop.epoch_loop.val_loop],
-        "test": [trainer.test_loop],
-        "predict": [trainer.predict_loop],
-    }
-
-
-def wrap_batch_step(
-    loop: Any, stage: str, wrap: Callable[[Callable[..., None]], Callable[..., None]]
-) -> Callable[[], None]:
-    """Replace ``loop``'s per-batch step (``_evaluation_step``, ``_predict_step``: called with
-    ``batch, batch_idx, dataloader_idx, dataloader_iter``) with ``wrap(step)``, on this loop only;
-    returns the undo."""
-    name = _BATCH_STEPS[stage]
-    vars(loop)[name] = wrap(getattr(loop, name))
-    return functools.partial(vars(loop).pop, name, None)
-
-
-def batches_in(loop: Any, dataloader_idx: int) -> Optional[int]:
-    """How many batches ``loop`` runs of its dataloader ``dataloader_idx`` in this pass (its
-    ``max_batches``, Lightning's limits applied), or ``None`` for a dataloader without a length or a
-    step that takes ``dataloader_iter``."""
-    if isinstance(loop._data_fetcher, _DataLoaderIterDataFetcher):
-        return None
-    counts = loop.max_batches
-    count = counts[dataloader_idx] if isinstance(counts, list) else counts
-    return int(count) if count != float("inf") else None
-
-
-def skip_batches(loop: Any, count: int, dataloader_idx: int, sanity_checking: bool) -> None:
-    """Advance ``loop`` over ``count`` batches without running their steps: its data fetcher and its
-    progress counters, as Lightning's own step would leave them (the controller took those batches'
-    entries in bulk)."""
-    fetcher = loop._data_fetcher
-    progress = loop.batch_progress
-    for _ in range(count):
-        next(fetcher)
-        progress.is_last_batch = fetcher.done
-        progress.increment_ready()
-        progress.increment_started()
-        progress.increment_processed()
-        progress.increment_completed()
-        if hasattr(loop, "_seen_batches_per_dataloader") and not sanity_checking:
-            loop._has_run = True
-            loop._seen_batches_per_dataloader[dataloader_idx] += 1
-
-
-def combined_loader_lengths(trainer: Trainer) -> dict[str, list[Optional[int]]]:
-    """Per stage, the lengths of the dataloaders its loop has set up, in Lightning's flat order."""
-    lengths: dict[str, list[Optional[int]]] = {}
-    for stage, loop in _loops_by_stage(trainer).items():
-        combined = loop._combined_loader
-        if combined is not None:
-            lengths[stage] = [len(loader) if has_len(loader) else None for loader in combined.flattened]
-    return lengths
-
-
-def fetched_batches(trainer: Trainer) -> dict[str, int]:
-    """Per stage, how many batches the loop's data fetcher has taken from its dataloaders so far
-    in the current epoch (prefetched ones included)."""
-    fetched = {}
-    for stage, loop in _loops_by_stage(trainer).items():
-        fetcher = loop._data_fetcher
-        if fetcher is not None:
-            fetched[stage] = fetcher.fetched
-    return fetched
-
-
-def predict_batch_indices(trainer: Trainer, batch_idx: int, dataloader_idx: int) -> list[int]:
-    """The dataset indices of the samples in predict batch ``batch_idx`` on this rank.
-
-    Lightning wraps every predict DataLoader's batch sampler to record them; a loader that is not
-    a DataLoader has none, and an empty list is returned.
-    """
-    combined = trainer.predict_loop._combined_loader
-    loader = combined.flattened[dataloader_idx] if combined is not None else None
-    seen = getattr(getattr(loader, "batch_sampler", None), "seen_batch_indices", None)
-    return list(seen[batch_idx]) if seen and batch_idx < len(seen) else []
-
-
-def record_eval_epoch_metrics(trainer: Trainer, sink: Callable[[dict[str, Any]], None]) -> None:
-    """Pass every value ``update_eval_epoch_metrics`` returns on this Trainer to ``sink`` too.
-
-    Those values are what ``trainer.validate``/``test`` return and print; the controller's loop
-    asks for them at the same point in its own loop.
-    """
-    connector = trainer._logger_connector
-    original = connector.update_eval_epoch_metrics
-
-    @functools.wraps(original)
-    def recorded() -> Any:
-        outputs = original()
-        sink(dict(outputs))
-        return outputs
-
-    # on the instance, as ``connector.update_eval_epoch_metrics = recorded`` would put it
-    vars(connector)["update_eval_epoch_metrics"] = recorded
 
 
 #: What torch's GradScaler says when it is built in a process without a GPU.

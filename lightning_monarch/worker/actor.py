@@ -20,20 +20,9 @@ from lightning.pytorch import LightningModule
 from monarch.actor import Actor, current_rank, endpoint
 
 from lightning_monarch.codec import StorageKey, encode
-from lightning_monarch.protocol import (
-    CheckpointState,
-    Grant,
-    PreflightSpec,
-    RankSnapshot,
-    RankStats,
-    RankStatus,
-    RankValue,
-    Release,
-    StageSpec,
-    WorkerFailure,
-    WorkerReport,
-    WorldSpec,
-)
+from lightning_monarch.protocol import Grant, RankStatus, Release
+from lightning_monarch.reports import CheckpointState, RankStats, RankValue, WorkerFailure, WorkerReport
+from lightning_monarch.specs import PreflightSpec, RankSnapshot, StageSpec, WorldSpec
 from lightning_monarch.worker.checkpoints import save_full, save_shards
 from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.loop import StageLoop

@@ -16,8 +16,11 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch.optim import Optimizer
 
 from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch._compat import loops as loops_compat
 from lightning_monarch._compat.torch import tree_map
-from lightning_monarch.protocol import GATES, OMITTED, LoaderRef, OptimizerRef, PredictionShard, RunAhead, SchedulerRef
+from lightning_monarch.protocol import GATES, OMITTED, RunAhead
+from lightning_monarch.reports import PredictionShard
+from lightning_monarch.specs import LoaderRef, OptimizerRef, SchedulerRef
 
 
 def to_cpu(value: Any) -> Any:
@@ -50,7 +53,7 @@ def describe_result(gate: str, result: Any, trainer: Trainer, args: tuple, plan:
         dataloader_idx = args[2] if len(args) > 2 else 0
         return PredictionShard(
             output=to_cpu(result),
-            batch_indices=lightning_compat.predict_batch_indices(trainer, batch_idx, dataloader_idx),
+            batch_indices=loops_compat.predict_batch_indices(trainer, batch_idx, dataloader_idx),
             dataloader_idx=dataloader_idx,
         )
     if kind == "optimizers":

@@ -15,6 +15,7 @@ import cloudpickle
 from lightning.pytorch import Trainer
 
 from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch._compat import loops as loops_compat
 from lightning_monarch.protocol import METRIC_VIEWS, Entry, LoggerCall, control_state
 from lightning_monarch.worker.describe import param_group_hyperparameters, to_cpu
 from lightning_monarch.worker.state import RankState
@@ -47,7 +48,7 @@ class EntryRecorder:
         #: Whether the stage's end entry carries rank 0's final checkpoint state (an unsharded ``fit``).
         self._final_state = final_state
         self._eval_outputs: list[dict[str, Any]] = []
-        lightning_compat.record_eval_epoch_metrics(trainer, self._eval_outputs.append)
+        loops_compat.record_eval_epoch_metrics(trainer, self._eval_outputs.append)
         #: What the last entry carried of what is sent only when it changed.
         self._sent: dict[str, Any] = {}
 
@@ -58,13 +59,13 @@ class EntryRecorder:
         outputs, self._eval_outputs[:] = self._eval_outputs[:], []
         if self._rank != 0:
             return Arrival([], None, None)
-        lengths = lightning_compat.combined_loader_lengths(self._trainer)
+        lengths = loops_compat.combined_loader_lengths(self._trainer)
         # the fetch counts matter for loaders without a length only, whose passes end where they do
         unsized = any(None in stage for stage in lengths.values())
         return Arrival(
             eval_outputs=to_cpu(outputs) if outputs else [],
             loader_lengths=self._changed("loader_lengths", lengths),
-            fetched_batches=lightning_compat.fetched_batches(self._trainer) if unsized else None,
+            fetched_batches=loops_compat.fetched_batches(self._trainer) if unsized else None,
         )
 
     def entry(

@@ -35,13 +35,12 @@ from lightning_monarch.protocol import (
     SNAPSHOT_GATE,
     Entry,
     Grant,
-    PredictionShard,
-    RankSnapshot,
     RankStatus,
     Release,
     RunAhead,
-    WorkerFailure,
 )
+from lightning_monarch.reports import PredictionShard, WorkerFailure
+from lightning_monarch.specs import RankSnapshot
 from lightning_monarch.worker.describe import describe_result, worker_side_result
 from lightning_monarch.worker.entries import EntryRecorder
 from lightning_monarch.worker.held_warnings import HELD
@@ -113,7 +112,7 @@ class StageLoop:
         self._recorder = recorder
         self._state = state
         self._plan = plan
-        #: Set while a replacement worker catches up to the snapshot (``protocol.ResumePoint``).
+        #: Set while a replacement worker catches up to the snapshot (``specs.ResumePoint``).
         self._resume = resume
         self._hold = hold
         self._cond = threading.Condition()

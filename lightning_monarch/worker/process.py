@@ -37,7 +37,7 @@ from monarch.actor import current_rank
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.devices import pin
-from lightning_monarch.protocol import WorldSpec, worker_backend
+from lightning_monarch.specs import WorldSpec, worker_backend
 from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.notices import ignore_sigterm
 
@@ -76,7 +76,7 @@ def start_worker_process(
 
 def ensure_process_group(accelerator: str, backend: Optional[str]) -> None:
     """Start this process's default ``torch.distributed`` group, with the backend Lightning's DDP
-    would pick (``protocol.worker_backend``), unless one runs: the preflight check and a stage's
+    would pick (``specs.worker_backend``), unless one runs: the preflight check and a stage's
     storages need it before the stage's Trainer starts, which then finds it and keeps it."""
     if not dist.is_initialized():
         dist.init_process_group(worker_backend(accelerator, backend))

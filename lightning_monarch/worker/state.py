@@ -17,14 +17,9 @@ from lightning.pytorch import Trainer
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.gates import GateCallback
-from lightning_monarch.protocol import (
-    METRIC_VIEWS,
-    MODULE_HOOKS,
-    CheckpointState,
-    ModuleAttributes,
-    RankSnapshot,
-    RankValue,
-)
+from lightning_monarch.protocol import METRIC_VIEWS, MODULE_HOOKS
+from lightning_monarch.reports import CheckpointState, ModuleAttributes, RankValue
+from lightning_monarch.specs import RankSnapshot
 from lightning_monarch.worker.describe import cpu_copy, to_cpu
 
 
@@ -94,7 +89,7 @@ class RankState:
         return to_cpu(checkpoint)  # what a GPU worker's hooks add must load where the controller has no GPU
 
     def snapshot(self, directory: Optional[str]) -> RankSnapshot:
-        """This rank's part of a recovery snapshot (see ``protocol.ResumePoint``). For a sharded
+        """This rank's part of a recovery snapshot (see ``specs.ResumePoint``). For a sharded
         module (``directory`` given), every rank takes part in writing the checkpoint into
         ``directory`` with its ``ModelParallelStrategy``, as Lightning's ``trainer.save_checkpoint``
         does: each rank its shards of the module and optimizers (DCP), rank 0 the metadata."""

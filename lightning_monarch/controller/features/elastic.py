@@ -39,7 +39,7 @@ from lightning_monarch.codec import pack
 from lightning_monarch.controller.mesh.hosts import host_mesh, reachable, worker_addresses
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.errors import HostsLostError, UnreachableHostsError
-from lightning_monarch.protocol import StageSpec
+from lightning_monarch.specs import StageSpec
 
 if TYPE_CHECKING:
     from lightning_monarch.strategy import MonarchStrategy

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.errors import PreflightError
-from lightning_monarch.protocol import PreflightSpec, WorkerReport, versions
+from lightning_monarch.reports import WorkerReport
+from lightning_monarch.specs import PreflightSpec, versions
+
+if TYPE_CHECKING:
+    from lightning_monarch.strategy import MonarchStrategy
 
 
 def check(
@@ -116,23 +120,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def run(args: argparse.Namespace) -> int:
-    """Start a mesh as the Trainer would, check it and print the table: 0 if every worker passed, else 1."""
+def run(args: argparse.Namespace, strategy: MonarchStrategy) -> int:
+    """Start ``strategy``'s mesh as its Trainer would, check it and print the table: 0 if every
+    worker passed, else 1."""
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the Trainer's info lines are noise here
 
     import lightning as L
 
     from lightning_monarch.controller.mesh.pool import MESHES
     from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
-    from lightning_monarch.strategy import MonarchStrategy
 
-    strategy = MonarchStrategy(hosts=args.hosts, process_group_backend=args.process_group_backend, keep_warm=False)
     num_nodes = args.num_nodes or (len(args.hosts) if args.hosts else 1)
     trainer = L.Trainer(
         strategy=strategy, accelerator=args.accelerator, devices=args.devices, num_nodes=num_nodes, logger=False
     )
-    assert isinstance(trainer.strategy, MonarchStrategy)  # the Trainer keeps the strategy instance it was given
-    key = trainer.strategy._mesh_key()
+    assert trainer.strategy is strategy  # the Trainer keeps the strategy instance it was given
+    key = strategy._mesh_key()
     mesh = MESHES.acquire(key)
     try:
         print(f"Starting {mesh.num_workers} worker(s) and checking them ...", flush=True)

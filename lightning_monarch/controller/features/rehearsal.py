@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, cast
+from typing import TYPE_CHECKING, Any, Optional, Protocol, cast, runtime_checkable
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -32,12 +32,13 @@ from typing_extensions import override
 
 from lightning_monarch import namespaces
 from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch._compat import loops as loops_compat
 from lightning_monarch.controller.launch import arguments
 from lightning_monarch.errors import RehearsalError, WorkerError
-from lightning_monarch.protocol import RankStats
+from lightning_monarch.reports import RankStats
 
 if TYPE_CHECKING:
-    pass
+    from lightning_monarch.strategy import MonarchStrategy
 
 #: Optimizer steps a rehearsal runs by default: the first (start-up, allocation of the optimizer's
 #: state) and enough after it for a median step time.
@@ -140,6 +141,37 @@ class RehearsalReport:
         return "\n".join(lines)
 
 
+@runtime_checkable
+class _OnWorkerMesh(Protocol):
+    """What a rehearsal needs of the Trainer's strategy: a Monarch strategy (``MonarchStrategy`` or
+    a subclass), known by what it has, since the controller's modules do not import the strategies."""
+
+    worker_accelerator: str
+    num_nodes: int
+
+    def _arguments(self) -> dict[str, Any]: ...
+
+    def _devices_argument(self) -> Any: ...
+
+
+def rehearsal_twin(strategy: MonarchStrategy) -> MonarchStrategy:
+    """A strategy like ``strategy`` for a rehearsal's Trainer: on the same hosts (their
+    ``HostMesh``, so that both take the same warm mesh), kept warm for the run that follows,
+    without restarts, elastic training or a rehearsal of its own."""
+    twin = type(strategy)(
+        **{
+            **strategy._arguments(),
+            "hosts": strategy._host_mesh,
+            "max_restarts": 0,
+            "min_nodes": None,
+            "keep_warm": True,
+            "rehearse": False,
+        }
+    )
+    twin._rehearsing = True
+    return twin
+
+
 def rehearse(
     trainer: Trainer,
     model: LightningModule,
@@ -157,9 +189,7 @@ def rehearse(
     and its memory then. The ``fit`` that follows gives exactly what it gives without a rehearsal."""
     namespaces.refuse_other_namespace("rehearse", trainer, __name__)
     strategy = trainer.strategy
-    from lightning_monarch.strategy import MonarchStrategy  # which imports the launcher, which imports this
-
-    if not isinstance(strategy, MonarchStrategy):
+    if not isinstance(strategy, _OnWorkerMesh):
         raise TypeError(
             f"`lightning_monarch.rehearse(trainer, ...)` rehearses on Monarch workers, but the Trainer's strategy is"
             f" {type(strategy).__name__}. Build the Trainer with `strategy='monarch'`."
@@ -171,7 +201,7 @@ def rehearse(
     probe = _Probe()
     accumulate = trainer.accumulate_grad_batches
     rehearsal = Trainer(
-        strategy=strategy._rehearsal_twin(),
+        strategy=rehearsal_twin(strategy),  # type: ignore[arg-type]  # a Monarch strategy, as checked
         accelerator="gpu" if strategy.worker_accelerator == "cuda" else "cpu",
         devices=strategy._devices_argument(),
         num_nodes=strategy.num_nodes,
@@ -237,7 +267,7 @@ class _Probe(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.stats = trainer.strategy.read_worker_stats()  # type: ignore[attr-defined]
-        lengths = lightning_compat.combined_loader_lengths(trainer)
+        lengths = loops_compat.combined_loader_lengths(trainer)
         train, val = lengths.get("train") or [], lengths.get("val") or []
         if None in train or None in val:
             raise ValueError(

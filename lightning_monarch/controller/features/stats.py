@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_monarch import namespaces
 from lightning_monarch.controller.launch import arguments
-from lightning_monarch.protocol import RankStats
+from lightning_monarch.reports import RankStats
 
 
 class MeshStatsMonitor(Callback):

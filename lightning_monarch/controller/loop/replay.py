@@ -20,7 +20,7 @@ from typing import Any, Optional, Protocol
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch._compat import loops as loops_compat
 from lightning_monarch.gates import GateCallback
 
 #: The progress bars whose batch hooks only show how many batches ran.
@@ -37,8 +37,8 @@ def replay_in_bulk(trainer: Trainer, session: BatchTaker) -> Callable[[], None]:
     """Let ``trainer``'s evaluation and prediction loops take whole batches in bulk where no
     controller callback needs their batch hooks; returns the undo."""
     undo = [
-        lightning_compat.wrap_batch_step(loop, stage, _bulk(trainer, session, loop, stage))
-        for stage, loops in lightning_compat.batch_loops(trainer).items()
+        loops_compat.wrap_batch_step(loop, stage, _bulk(trainer, session, loop, stage))
+        for stage, loops in loops_compat.batch_loops(trainer).items()
         for loop in loops
     ]
 
@@ -54,13 +54,13 @@ def _bulk(trainer: Trainer, session: BatchTaker, loop: Any, stage: str) -> Calla
         def bulk_step(batch: Any, batch_idx: int, dataloader_idx: int, dataloader_iter: Any) -> None:
             step(batch, batch_idx, dataloader_idx, dataloader_iter)
             bars = _counting_bars(trainer.callbacks, stage)  # type: ignore[attr-defined]
-            batches = lightning_compat.batches_in(loop, dataloader_idx)
+            batches = loops_compat.batches_in(loop, dataloader_idx)
             if bars is None or batches is None:
                 return
             taken = session.take_batches(stage, batches - batch_idx - 2)  # not the dataloader's last
             if not taken:
                 return
-            lightning_compat.skip_batches(loop, taken, dataloader_idx, trainer.sanity_checking)
+            loops_compat.skip_batches(loop, taken, dataloader_idx, trainer.sanity_checking)
             last = batch_idx + taken
             for bar in bars:
                 getattr(bar, f"on_{stage}_batch_end")(

@@ -25,12 +25,13 @@ import cloudpickle
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.features.elastic import ElasticFit
+from lightning_monarch.controller.loop.attribution import CallbackAttribution
 from lightning_monarch.controller.loop.callbacks import check_controller_callbacks
+from lightning_monarch.controller.loop.entries import EntryQueue
 from lightning_monarch.controller.loop.metrics import MetricOrigins, mirror_metrics
 from lightning_monarch.controller.loop.mirrors import OptimizerMirror, WorkerLoaders, optimizer_mirrors, plan_loaders
 from lightning_monarch.controller.loop.plan import (
@@ -43,29 +44,27 @@ from lightning_monarch.controller.loop.plan import (
 )
 from lightning_monarch.controller.loop.predictions import PredictionCollector
 from lightning_monarch.controller.loop.replay import replay_in_bulk
+from lightning_monarch.controller.loop.requests import WorkerRequests
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.storages import KeptShards
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
-from lightning_monarch.errors import DivergenceError, WorkerError
+from lightning_monarch.errors import DivergenceError
 from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.protocol import (
-    CALLBACK_HOOKS,
     DATAMODULE_HOOKS,
     GATES,
     METRIC_VIEWS,
     MODULE_HOOKS,
     OMITTED,
     SNAPSHOT_GATE,
-    CheckpointState,
     Entry,
-    ModuleAttributes,
-    RankStats,
     Release,
     RunAhead,
     SnapshotEpochs,
     control_state,
     gate_id,
 )
+from lightning_monarch.reports import CheckpointState, ModuleAttributes
 
 _BASES = {"module": LightningModule, "datamodule": LightningDataModule}
 
@@ -88,8 +87,8 @@ class StageSession:
     ) -> None:
         self._trainer = trainer
         self._channel = channel
-        #: Whether the workers shard the module (``MonarchFSDPStrategy``): its weights never come here.
-        self._sharded = sharded
+        #: Whether the workers shard the module (``MonarchModelParallelStrategy``): its weights never come here.
+        self.sharded = sharded
         self._worker_callbacks = worker_callbacks
         self._module = module
         self._datamodule = datamodule
@@ -102,14 +101,12 @@ class StageSession:
         #: Shows rank 0's warnings as its entries are taken (``controller.mesh.worker_warnings``).
         self._warned = warned if warned is not None else WorkerWarnings(channel.mesh.num_workers)
         #: Entries fetched and not taken yet, and the last one taken.
-        self._entries: deque[Entry] = deque()
+        self._queue = EntryQueue(channel, plan.max_ahead, self._warned, self._where)
         self._current: Optional[Entry] = None
         self._released = True
         #: The control state the workers go on with after the current entry (R5).
         self._control: dict[str, Any] = {}
         self._views: Optional[dict[str, dict[str, Any]]] = None
-        self._batches_taken = 0
-        self._batches_granted = 0
         self._replay: Optional[deque[tuple[str, Any]]] = None
         # Results of hooks the workers ran inside another hook, for the controller to take when its
         # own loop calls that hook later (``estimated_stepping_batches`` in ``configure_optimizers``
@@ -121,15 +118,15 @@ class StageSession:
         #: Rank 0's checkpoint state and the entry it belongs to (R5, R6).
         self._state: Optional[tuple[Optional[Entry], CheckpointState]] = None
         #: The controller callback whose hook runs now, and those that ran since the last gate.
-        self._calling: Optional[tuple[Callback, str]] = None
-        self._ran: list[tuple[Callback, str]] = []
-        self._attributed: set[int] = set()
+        self._attribution = CallbackAttribution()
         self._undo: list[Callable[[], None]] = []
         self._ended: Optional[Entry] = None
         self.loaders = WorkerLoaders(self.peek)
         self.predictions = PredictionCollector()
         #: Which metric each tensor of the controller's metric views stands for.
         self.metric_origins = MetricOrigins()
+        #: What the controller's code asks of every worker where they wait (R5).
+        self.requests = WorkerRequests(channel, self._require_parked)
         self.final_state: Optional[CheckpointState] = None
 
     @contextmanager
@@ -141,12 +138,12 @@ class StageSession:
             self._undo.append(install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, self.around))
         if saves_on_workers(module, self._worker_callbacks):
             self._undo.append(
-                install_hook_gates(module, "checkpoint", ["on_save_checkpoint"], self._on_save_checkpoint)
+                install_hook_gates(module, "checkpoint", ["on_save_checkpoint"], self.requests.on_save_checkpoint)
             )
         self._undo.append(mirror_metrics(self._trainer, self))
         self._undo.append(replay_in_bulk(self._trainer, self))
-        self._attribute(self._trainer.callbacks)  # type: ignore[attr-defined]
         callbacks = self._trainer.callbacks  # type: ignore[attr-defined]
+        self._attribution.wrap(callbacks, self._undo)
         callbacks.insert(0, self._gate_callback)
         if self._plan.notices:
             callbacks.append(self._notice_callback)
@@ -238,12 +235,8 @@ class StageSession:
             self._released = True
             self._control.update(changes)
         elif changes:
-            ran = (
-                ", ".join(f"`{type(callback).__name__}.{hook}`" for callback, hook in self._ran)
-                or "code on the controller"
-            )
             raise DivergenceError(
-                f"{ran} changed {', '.join(f'`trainer.{name}`' for name in changes)} where the workers do not wait"
+                f"{self._attribution.named_ran()} changed {', '.join(f'`trainer.{name}`' for name in changes)} where the workers do not wait"
                 f" for the controller under strategy='monarch' (after `{current.gate}`), so they already went on"
                 " without it. A callback that steers the loop must not be declared observe-only"
                 " (`lightning_monarch.observe_only`): then the workers wait at each of its hooks."
@@ -251,8 +244,8 @@ class StageSession:
 
     def _take(self, gate: str) -> Entry:
         """Rank 0's entry for ``gate``, applied (R3)."""
-        entry = self._next()
-        self._entries.popleft()
+        entry = self._queue.first(ending=self._ended is not None)
+        self._queue.pop()
         if entry.gate != gate:
             raise DivergenceError(
                 f"The controller's loop reached `{gate}` but the workers' rank 0 recorded `{entry.gate}` there:"
@@ -262,40 +255,14 @@ class StageSession:
         self._apply(entry)
         if entry.checkpoint is not None:
             self._state = (entry, entry.checkpoint)
-        self._current, self._released, self._ran = entry, not entry.sync, []
+        self._current, self._released, self._attribution.ran = entry, not entry.sync, []
         self._control = dict(entry.control)
         if GATES[gate].batch_start:
-            self._batches_taken += 1
-            if self._batches_taken - self._batches_granted >= self._grant_step():
-                self._grant()
+            self._queue.took_batch()
         return entry
 
-    def _next(self) -> Entry:
-        """The next entry, fetched if none is waiting; the end of the stage raises its failure, or
-        an error if the controller's loop expected another gate."""
-        idle = 0
-        while not self._entries:
-            if idle:  # the workers sent nothing: they may wait for credit (R4)
-                self._grant()
-            fetched = self._channel.fetch()
-            idle = 0 if fetched else idle + 1
-            if idle > 2:
-                raise DivergenceError(
-                    "The workers wait for the controller, which waits for them: a bug in lightning_monarch."
-                    f" (after {self._current.gate if self._current else None}, released={self._released})"
-                )
-            self._entries.extend(fetched)
-        entry = self._entries[0]
-        if entry.gate is None:
-            if entry.failure is not None:
-                self._warned.show_rank0(entry.warnings)
-                raise WorkerError(entry.failure)
-            if self._ended is None:
-                raise DivergenceError(
-                    "The workers' rank 0 finished the stage where the controller's loop goes on: the two"
-                    " Lightning loops diverged."
-                )
-        return entry
+    def _where(self) -> str:
+        return f"after {self._current.gate if self._current else None}, released={self._released}"
 
     def take_batches(self, stage: str, limit: int) -> int:
         """Take the entries of up to ``limit`` whole batches of the ``stage`` loop (``validation``,
@@ -306,37 +273,16 @@ class StageSession:
         start = gate_id("callback", f"on_{stage}_batch_start")
         taken = 0
         while taken < limit:
-            entries = self._whole_batch(start)
+            entries = self._queue.whole_batch(start)
             if not entries:
                 break
             for _ in range(entries):
                 self._leave()
-                gate = self._entries[0].gate
+                gate = self._queue.first(ending=self._ended is not None).gate
                 assert gate is not None  # a whole batch holds no end entry
                 self._take(gate)
             taken += 1
         return taken
-
-    def _whole_batch(self, start: str) -> int:
-        """How many entries the next batch has, if the fetched entries hold all of it and the next
-        batch's start, and none of them waits or carries nested results; else 0."""
-        if not self._entries or self._entries[0].gate != start:
-            return 0
-        for position, entry in enumerate(self._entries):
-            if position and entry.gate == start:
-                return position
-            if entry.gate is None or entry.sync or entry.nested:
-                return 0
-        return 0
-
-    def _grant_step(self) -> int:
-        limit = self._plan.max_ahead
-        return max(1, limit // 2) if limit else 1 << 30
-
-    def _grant(self) -> None:
-        if self._plan.max_ahead and self._batches_taken > self._batches_granted:
-            self._batches_granted = self._batches_taken
-            self._channel.grant(self._batches_taken)
 
     def _apply(self, entry: Entry) -> None:
         trainer = self._trainer
@@ -373,7 +319,7 @@ class StageSession:
         they read on arriving there (dataloader lengths, evaluation results): the controller's loop
         asks for it between two gates, after the current gate's callbacks ran."""
         self._leave()
-        entry = self._next()
+        entry = self._queue.first(ending=self._ended is not None)
         self._arrive(entry)
 
     def next_eval_outputs(self) -> dict[str, Any]:
@@ -386,38 +332,18 @@ class StageSession:
 
     # ----- controller callbacks --------------------------------------------------------------
 
-    def _attribute(self, callbacks: list[Callback]) -> None:
-        """Wrap the hooks of the controller's ``callbacks``, to know which one runs."""
-        for callback in callbacks:
-            if callback is self._gate_callback or id(callback) in self._attributed:
-                continue
-            self._attributed.add(id(callback))
-            hooks = [hook for hook in CALLBACK_HOOKS if is_overridden(hook, callback, Callback)]
-            self._undo.append(install_hook_gates(callback, "controller", hooks, self._running(callback)))
-
-    def _running(self, callback: Callback) -> Callable[..., Any]:
-        def around(gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-            previous, self._calling = self._calling, (callback, gate.split(".", 1)[1])
-            self._ran.append(self._calling)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._calling = previous
-
-        return around
-
     def _grown_plan(self) -> Optional[RunAhead]:
         """The plan with the callbacks ``configure_callbacks`` added and the ``ReduceLROnPlateau``
         schedulers ``configure_optimizers`` returned; ``None`` if it did not change."""
         trainer_callbacks = self._trainer.callbacks  # type: ignore[attr-defined]
-        self._attribute(trainer_callbacks)
+        self._attribution.wrap([c for c in trainer_callbacks if c is not self._gate_callback], self._undo)
         callbacks = [callback for callback in trainer_callbacks if callback is not self._gate_callback]
         plan = make_plan(
             callbacks,
             self._plan.max_ahead,
             self._snapshots,
             plateau_intervals(self._trainer.lr_scheduler_configs),
-            states_can_travel(self._module, self._worker_callbacks, self._sharded),
+            states_can_travel(self._module, self._worker_callbacks, self.sharded),
         )
         plan = dataclasses.replace(plan, notices=self._plan.notices)
         if plan == self._plan:
@@ -442,18 +368,15 @@ class StageSession:
         if self.parked or self._ended is not None:
             return
         gate = self._current.gate if self._current is not None else "the start of the stage"
-        who = (
-            f"`{type(self._calling[0]).__name__}.{self._calling[1]}`"
-            if self._calling is not None
-            else "The controller's loop"
-        )
+        calling = self._attribution.calling
+        who = f"`{type(calling[0]).__name__}.{calling[1]}`" if calling is not None else "The controller's loop"
         raise DivergenceError(
             f"{who} reads {what} after `{gate}`, where the workers do not wait for the controller under"
             " strategy='monarch': they have already moved on, and what they hold now belongs to a later batch."
             + (
                 " An observe-only callback (`lightning_monarch.observe_only`) may read only the metric views its"
                 " hooks are given; remove the declaration to make the workers wait at its hooks."
-                if self._calling is not None and is_observe_only(self._calling[0])
+                if calling is not None and is_observe_only(calling[0])
                 else ""
             )
         )
@@ -471,21 +394,6 @@ class StageSession:
         self.metric_origins.remember(view, values)
         return values
 
-    def collective(self, kind: str, view: str, key: str, options: dict[str, Any]) -> Any:
-        """``trainer.strategy.<kind>`` run by every worker on its own ``trainer.<view>[key]``; rank 0's result."""
-        self._require_parked(f"`trainer.strategy.{kind}(...)` of `trainer.{view}[{key!r}]`")
-        return self._channel.ask_rank0("collective", kind, view, key, options, replay=True, everyone=True)
-
-    def metric_on_every_rank(self, view: str, key: str) -> list[Any]:
-        """Every rank's ``trainer.<view>[key]``, in rank order."""
-        self._require_parked(f"every rank's `trainer.{view}[{key!r}]`")
-        return [answer.value for answer in self._channel.ask_every_rank("metric", view, key)]
-
-    def read_stats(self) -> list[RankStats]:
-        """Every rank's stats (``worker.stats``), in rank order."""
-        self._require_parked("the workers' stats")
-        return self._channel.ask_every_rank("read_stats", replay=False)
-
     def checkpoint_state(self) -> CheckpointState:
         """Rank 0's model, optimizer and scheduler state at the gate the controller's loop is at:
         from the entry where it carries it, else read from the workers parked there, once per gate
@@ -497,40 +405,6 @@ class StageSession:
             self._state = (self._current, self._channel.ask_rank0("checkpoint_state"))
         return self._state[1]
 
-    def _on_save_checkpoint(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        self._require_parked("a checkpoint")
-        checkpoint = args[0] if args else kwargs["checkpoint"]
-        edited = self._channel.ask_rank0("on_save_checkpoint", checkpoint, replay=True)
-        checkpoint.clear()
-        checkpoint.update(edited)
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """The sharded module's full state dict, gathered by the workers: where they wait during the
-        stage, the final one after it (while the mesh keeps the shards)."""
-        self._require_parked("the sharded module's full weights")
-        self._channel.mesh.require_processes("Gather them", "`trainer.strategy.gather_full_state_dict()`")
-        return self._channel.ask_rank0("full_state_dict", everyone=True)
-
-    def save_sharded_checkpoint(self, path: str, optimizers: bool) -> dict[str, Any]:
-        """Let the workers write their shards into the directory ``path`` (``worker.checkpoints``),
-        where they wait during the stage, the final ones after it; return rank 0's worker callbacks' state."""
-        self._require_parked("a sharded checkpoint")
-        self._channel.mesh.require_processes("Save them", "`trainer.save_checkpoint(path)`")
-        return self._channel.ask_rank0("save_sharded_checkpoint", path, optimizers, everyone=True)
-
-    def save_full_checkpoint(self, path: str, metadata: dict[str, Any], optimizers: bool) -> None:
-        """Let the workers gather the sharded module's full state and rank 0 write it, with
-        ``metadata``, into the file ``path`` (``worker.checkpoints``), where they wait during the
-        stage, the final state after it."""
-        self._require_parked("a checkpoint")
-        self._channel.mesh.require_processes("Save them", "`trainer.save_checkpoint(path)`")
-        self._channel.ask_rank0("save_full_checkpoint", path, metadata, optimizers, everyone=True)
-
-    @property
-    def worker_pids(self) -> list[int]:
-        """The process IDs of the workers, in rank order."""
-        return list(self._channel.mesh.pids)
-
     # ----- the end of the stage --------------------------------------------------------------
 
     def finish(self, stage: str) -> None:
@@ -540,7 +414,7 @@ class StageSession:
         module's weights stay on the workers: the controller's module goes to the meta device."""
         self._leave()
         self._ended = Entry(None)  # from here the controller's loop expects no gate
-        entry = self._next()
+        entry = self._queue.first(ending=self._ended is not None)
         if entry.gate is not None:
             raise DivergenceError(
                 f"The workers' rank 0 recorded `{entry.gate}` after the controller's loop ended"
@@ -566,11 +440,11 @@ class StageSession:
             )
         if stage == "predict":
             self.predictions.add(self._channel.mesh.predictions())
-        if stage == "fit" and self._sharded:
+        if stage == "fit" and self.sharded:
             module.to("meta")
-        if self._sharded and all(tensor.is_meta for tensor in (*module.parameters(), *module.buffers())):
+        if self.sharded and all(tensor.is_meta for tensor in (*module.parameters(), *module.buffers())):
             self._channel.mesh.kept_shards = KeptShards.of(module)
-        elif stage == "fit" and not self._sharded:
+        elif stage == "fit" and not self.sharded:
             assert entry.checkpoint is not None  # the end entry of an unsharded ``fit`` has it
             self.final_state = entry.checkpoint
             if set(self.final_state.model) != set(module.state_dict()):

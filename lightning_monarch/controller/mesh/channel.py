@@ -22,7 +22,8 @@ from lightning_monarch.codec import pack
 from lightning_monarch.controller.loop.checkpoints import SnapshotDirectory
 from lightning_monarch.controller.mesh.worker_mesh import Message, WorkerMesh, by_rank
 from lightning_monarch.errors import DivergenceError, HostsLostError, MeshFailureError, WorkerError, WorkerTimeoutError
-from lightning_monarch.protocol import Entry, Release, ResumePoint, StageSpec
+from lightning_monarch.protocol import Entry, Release
+from lightning_monarch.specs import ResumePoint, StageSpec
 
 log = logging.getLogger(__name__)
 

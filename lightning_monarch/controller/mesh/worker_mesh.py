@@ -10,38 +10,29 @@ import dataclasses
 import functools
 import logging
 import pickle
-import re
 import shutil
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NoReturn, Optional
+from typing import Any, Optional
 
 import cloudpickle
 from monarch.actor import HostMesh, ProcMesh, this_host
 
-from lightning_monarch._compat.monarch import SupervisionError, failed_rank
+from lightning_monarch._compat.monarch import SupervisionError
 from lightning_monarch.codec import Shipment, StorageKey, decode
-from lightning_monarch.controller.mesh import storages
+from lightning_monarch.controller.mesh import deaths, storages
 from lightning_monarch.controller.mesh.hosts import host_count
 from lightning_monarch.controller.mesh.output import WorkerOutput
 from lightning_monarch.controller.mesh.storages import KeptShards
 from lightning_monarch.controller.mesh.watch import POLL_S, ProcessWatch
-from lightning_monarch.controller.mesh.world import WorkerWorld
-from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError
-from lightning_monarch.protocol import (
-    Entry,
-    Grant,
-    PredictionShard,
-    PreflightSpec,
-    RankStatus,
-    RankValue,
-    StageSpec,
-    WorkerFailure,
-    WorkerReport,
-)
+from lightning_monarch.controller.mesh.world import WorkerWorld, leave_world
+from lightning_monarch.errors import MeshFailureError, WorkerError
+from lightning_monarch.protocol import Entry, Grant, RankStatus
+from lightning_monarch.reports import PredictionShard, RankValue, WorkerFailure, WorkerReport
+from lightning_monarch.specs import PreflightSpec, StageSpec
 from lightning_monarch.worker.process import LOCAL_DIMENSION, start_worker_process
 
 log = logging.getLogger(__name__)
@@ -54,16 +45,9 @@ _STOP_TIMEOUT_S = 30.0
 _STOP_DEAD_S = 5.0
 #: How long an idle mesh may take to answer before the controller starts a new one instead.
 _PING_TIMEOUT_S = 5.0
-#: How long a survivor's collective error waits, with workers on other hosts, for Monarch's
-#: supervision to report the dead peer instead: a death inside a collective reaches the controller
-#: first as the survivors' gloo/NCCL error, and the report of a death on another host came 10 s
-#: after it in ``benchmarks/death_report.py``.
-_SUPERVISION_GRACE_S = 20.0
 #: How long the controller waits for the warnings the ranks hold at the end of a stage: every rank
 #: answers at once, but after a failure one may be dead, or busy with a request that never ends.
 _TAKE_WARNINGS_S = 3.0
-#: What a survivor's error says when a peer of its collective is gone (gloo's and NCCL's words).
-_PEER_LOST = re.compile(r"closed by peer|reset by peer|remote worker|NCCL|RCCL|Connection refused|Broken pipe", re.I)
 
 
 def by_rank(answers: list[Any]) -> list[Any]:
@@ -264,17 +248,22 @@ class WorkerMesh:
         statuses: dict[int, RankStatus] = {}
         while True:
             try:
-                answer = self._check(future.get(timeout=POLL_S))
+                answer = deaths.checked(future.get(timeout=POLL_S))
             except TimeoutError:
-                self._raise_if_dead()
+                deaths.raise_if_dead(self._watch)
                 pending = [status for status in pending if not self._took_status(status, statuses)]
-                self._raise_if_timed_out(started, self._ahead_of_the_rest(progress, statuses))
+                deaths.raise_if_timed_out(
+                    started,
+                    deaths.ahead_of_the_rest(progress, statuses, self.num_workers),
+                    self.step_timeout,
+                    self.num_workers,
+                )
                 if time.monotonic() - checked >= _STATUS_S:
                     checked = time.monotonic()
                     self._count("status", (), self.num_workers)
                     pending.extend(self._workers.status.stream())
             except SupervisionError as error:
-                self._raise_death(error)
+                deaths.raise_death(error, self._watch)
             else:
                 if not isinstance(answer, RankStatus):
                     break
@@ -304,7 +293,7 @@ class WorkerMesh:
         except TimeoutError:
             return False
         except SupervisionError as error:
-            self._raise_death(error)
+            deaths.raise_death(error, self._watch)
         if status.failure is not None and status.rank != 0:
             # rank 0's fetch is in flight, and rank 0 answers nothing else until it returns: its
             # silence here says nothing of its process, so only Monarch's report names a death
@@ -312,16 +301,6 @@ class WorkerMesh:
             raise WorkerError(status.failure)
         statuses[status.rank] = status
         return True
-
-    def _ahead_of_the_rest(self, progress: int, statuses: dict[int, RankStatus]) -> list[int]:
-        """The ranks that got further than the rest (by gates done), when the others have answered:
-        the ranks that stay behind are the ones to name if the wait times out. Rank 0 got as far as
-        its entries reach (``progress``), or further where its fetch answered with its status."""
-        done = {0: progress, **{rank: status.gates for rank, status in statuses.items()}}
-        if len(done) < self.num_workers or len(set(done.values())) == 1:
-            return []
-        least = min(done.values())
-        return [rank for rank, gates in done.items() if gates > least]
 
     def take_warnings(self) -> list[RankValue]:
         """The warnings every rank holds (``worker.held_warnings``), as many as answer within
@@ -352,14 +331,10 @@ class WorkerMesh:
             shards.extend(decode(answer))
         return shards
 
-    def require_processes(self, action: str, call: str) -> None:
-        """Raise if this mesh, and a sharded module's shards with it, was stopped."""
-        if self._world is None:
-            raise RuntimeError(
-                "The worker mesh of that stage was stopped, and the module's shards with it (by"
-                " `MonarchStrategy(keep_warm=False)`, `lightning_monarch.stop_meshes()`, a failure, or a stage with"
-                f" other devices). {action} while the stage runs, e.g. in a callback's `on_fit_end`: {call}."
-            )
+    @property
+    def stopped(self) -> bool:
+        """Whether this mesh was stopped (its processes, and a sharded module's shards with them, are gone)."""
+        return self._world is None
 
     def stop(self, kill: bool = False) -> None:
         """Stop every worker process. Idempotent. ``kill`` first kills the processes on this host
@@ -396,44 +371,22 @@ class WorkerMesh:
         host process is gone, not only a worker. Every host is asked, at once (a live one answers in
         a second or two): a death on another host is named by Monarch's report in the coordinates of
         the mesh the worker started in, which after a world change are not its rank's."""
-        world = self._world
-        assert world is not None
-        slots = world.slots
-        probes = {slot: world.hosts_of(slot).spawn_procs(per_host={LOCAL_DIMENSION: 1}) for slot in slots}
-        deadline = time.monotonic() + timeout
-        lost = []
-        for slot, probe in probes.items():
-            try:
-                probe.initialized.get(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # timed out, or Monarch reported the host gone
-                lost.append(slot)
-                continue
-            try:
-                probe.stop().get(timeout=_STOP_TIMEOUT_S)
-            except Exception as error:
-                log.warning("Stopping the process that showed host %d lives failed: %s", slot, error)
+        assert self._world is not None
+        lost = self._world.lost_slots(timeout, _STOP_TIMEOUT_S)
         self._lost = self._lost or bool(lost)
         return lost
 
     def stages_ended(self, timeout: float = _TAKE_WARNINGS_S) -> bool:
         """Whether every rank's stage ended with a failure within ``timeout`` seconds: after one
         rank's failure, another may still wait in a collective for it, and only a kill ends that."""
-        deadline = time.monotonic() + timeout
-        for future in self._workers.status.stream():
-            try:
-                status = future.get(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # no answer in time, or a dead process
-                return False
-            if status.failure is None:
-                return False
-        return True
+        return deaths.all_failed(self._workers.status.stream(), timeout)
 
     def reset_world(self) -> None:
         """Every worker leaves its process group and takes its place in a new one of the same
         world (a new ``MASTER_PORT``): after a stage that failed on every rank, a collective that
         one rank began and another never joined must not meet the next stage's."""
         assert self._world is not None
-        self._leave_world(self._world.workers)
+        leave_world(self._world.workers, _STOP_TIMEOUT_S)
         self._world.join()
 
     def notices(self) -> list[Optional[bool]]:
@@ -455,7 +408,7 @@ class WorkerMesh:
         assert self._world is not None
         leaving = self._world.workers
         idle = self._world.remove(gone)
-        self._leave_world(leaving if alive else self._world.workers)
+        leave_world(leaving if alive else self._world.workers, _STOP_TIMEOUT_S)
         self._lost = True  # stopping the mesh must not wait long for the processes of hosts gone
         self._world.join()
         self._death = None
@@ -467,18 +420,11 @@ class WorkerMesh:
         with them: every other worker keeps its process, leaves the stage it is parked in and its
         process group, and takes its place in the new world."""
         assert self._world is not None
-        self._leave_world(self._world.workers)
+        leave_world(self._world.workers, _STOP_TIMEOUT_S)
         for slot, mesh in sorted(hosts.items()):
             self._world.add(mesh, [slot])
         self._world.join()
         self._attach()
-
-    @staticmethod
-    def _leave_world(workers: Any) -> None:
-        """Each of ``workers`` leaves its stage and process group (not through ``_gather``: the
-        process watch may still see the dead)."""
-        for left in workers.leave_world.stream():
-            left.get(timeout=_STOP_TIMEOUT_S)
 
     # ----- delivery ---------------------------------------------------------------------------
 
@@ -501,73 +447,17 @@ class WorkerMesh:
         pending = iter(futures)
         try:
             for future in pending:
-                values.append(self._check(self._wait(future, started, limit, values)))
+                values.append(deaths.checked(self._wait(future, started, limit, values)))
         except SupervisionError as error:
-            self._raise_death(error)
+            deaths.raise_death(error, self._watch)
         except WorkerError as error:
             self._raise_if_a_death_caused(error.failure, pending)
             raise
         return values
 
     def _raise_if_a_death_caused(self, failure: WorkerFailure, pending: Optional[Iterable[Any]] = None) -> None:
-        """Raise ``MeshFailureError`` if a worker's death caused ``failure``: a peer's death shows
-        first as a survivor's collective error. On this host the process watch names the dead rank
-        at once; on other hosts Monarch's supervision does, seconds later, in one of ``pending``
-        (answers not taken yet). Without ``pending`` every rank is asked its status, which a live
-        worker answers at once: a rank that does not answer within the grace is named as dead
-        too, since Monarch may report a lost host in another way, or later."""
-        self._raise_if_dead()
-        if self._watch.watches_all or not _PEER_LOST.search(failure.message):
-            return
-        if pending is not None:
-            self._raise_if_supervision_reports(pending)
-            return
-        answered = self._raise_if_supervision_reports(self._workers.status.stream())
-        silent = tuple(rank for rank in range(self.num_workers) if rank not in answered)
-        if silent:
-            raise MeshFailureError(
-                f"Worker ranks {list(silent)} stopped answering after rank {failure.rank} lost its connection"
-                f" to a peer: their processes died, or their hosts. Rank {failure.rank} raised:"
-                f" {failure.message.splitlines()[0]}",
-                silent,
-            )
-
-    def _raise_if_supervision_reports(self, pending: Iterable[Any]) -> set[Optional[int]]:
-        """Wait up to :data:`_SUPERVISION_GRACE_S` for the ranks that have not answered; raise
-        ``MeshFailureError`` if Monarch's supervision reports one of them dead meanwhile. Returns
-        the ranks that answered."""
-        deadline = time.monotonic() + _SUPERVISION_GRACE_S
-        answered: set[Optional[int]] = set()
-        for future in pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                answered.add(getattr(future.get(timeout=left), "rank", None))
-            except SupervisionError as error:
-                raise self._died(error) from error
-            except TimeoutError:
-                break
-            except Exception:  # another survivor's error: the death may still be reported
-                continue
-        return answered
-
-    def _raise_death(self, error: Exception) -> NoReturn:
-        """Raise the death that Monarch's supervision ``error`` reports: as the process watch saw
-        it, if it did (it names a rank on this host at once), else from Monarch's report."""
-        self._raise_if_dead()
-        raise self._died(error) from error
-
-    @staticmethod
-    def _died(error: Exception) -> MeshFailureError:
-        """Monarch's report of a dead worker process, as ``MeshFailureError`` naming its rank."""
-        rank = failed_rank(str(error))
-        who = f"Worker rank {rank}" if rank is not None else "A worker"
-        return MeshFailureError(
-            f"{who} stopped answering: its process died (killed, out of memory or crashed). Monarch"
-            f" reported: {str(error).splitlines()[0]}",
-            (rank,) if rank is not None else (),
-        )
+        """Raise ``MeshFailureError`` if a worker's death caused ``failure`` (``controller.mesh.deaths``)."""
+        deaths.raise_if_a_death_caused(failure, self._watch, self.num_workers, self._workers.status.stream, pending)
 
     def _wait(self, future: Any, started: float, limit: Optional[float], answered: list[Any]) -> Any:
         """One answer; meanwhile, every :data:`~lightning_monarch.controller.mesh.watch.POLL_S`, check that
@@ -576,36 +466,6 @@ class WorkerMesh:
             try:
                 return future.get(timeout=POLL_S)
             except TimeoutError:
-                self._raise_if_dead()
-                self._raise_if_timed_out(started, {getattr(value, "rank", None) for value in answered}, limit)
-
-    def _raise_if_timed_out(
-        self, started: float, answered: Iterable[Optional[int]], limit: Optional[float] = None
-    ) -> None:
-        """Raise ``WorkerTimeoutError`` once a wait that began at ``started`` passed ``limit`` (by
-        default ``step_timeout``), naming the ranks that did not answer (or did not get as far)."""
-        limit = self.step_timeout if limit is None else limit
-        if limit is None or time.monotonic() - started <= limit:
-            return
-        silent = tuple(rank for rank in range(self.num_workers) if rank not in set(answered))
-        raise WorkerTimeoutError(
-            f"Worker ranks {list(silent)} did not answer within {limit:g} s"
-            f" (`MonarchStrategy(step_timeout={limit:g})`): their processes are alive but stuck,"
-            " for example in a collective that a peer never joined. Raise `step_timeout` if a"
-            " step legitimately takes longer.",
-            silent,
-        )
-
-    def _raise_if_dead(self) -> None:
-        dead = tuple(self._watch.dead_ranks())
-        if dead:
-            pids = ", ".join(f"rank {rank} (pid {self._watch.pids[rank]})" for rank in dead)
-            raise MeshFailureError(
-                f"Worker {pids} died: killed, out of memory or crashed. The other workers were stopped.", dead
-            )
-
-    @staticmethod
-    def _check(value: Any) -> Any:
-        if isinstance(value, WorkerFailure):
-            raise WorkerError(value)
-        return value
+                deaths.raise_if_dead(self._watch)
+                answering = {getattr(value, "rank", None) for value in answered}
+                deaths.raise_if_timed_out(started, answering, limit, self.num_workers)

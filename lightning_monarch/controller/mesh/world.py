@@ -11,6 +11,8 @@ actor mesh (:class:`Fanout`).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +20,11 @@ from typing import Any
 from monarch.actor import HostMesh, ProcMesh
 
 from lightning_monarch.controller.mesh.hosts import host_count
-from lightning_monarch.protocol import WorldSpec
+from lightning_monarch.specs import WorldSpec
 from lightning_monarch.worker.actor import MonarchWorker
+from lightning_monarch.worker.process import LOCAL_DIMENSION
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,6 +141,26 @@ class WorkerWorld:
             origin[host_label(part.hosts)] = part.slots.index(first)
         return part.workers.slice(**origin)
 
+    def lost_slots(self, timeout: float, stop_timeout: float) -> list[int]:
+        """The slots of the hosts that do not serve a new process within ``timeout`` seconds: their
+        host process is gone, not only a worker. Every host is asked, at once (a live one answers in
+        a second or two): a death on another host is named by Monarch's report in the coordinates of
+        the mesh the worker started in, which after a world change are not its rank's."""
+        probes = {slot: self.hosts_of(slot).spawn_procs(per_host={LOCAL_DIMENSION: 1}) for slot in self.slots}
+        deadline = time.monotonic() + timeout
+        lost = []
+        for slot, probe in probes.items():
+            try:
+                probe.initialized.get(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # timed out, or Monarch reported the host gone
+                lost.append(slot)
+                continue
+            try:
+                probe.stop().get(timeout=stop_timeout)
+            except Exception as error:
+                log.warning("Stopping the process that showed host %d lives failed: %s", slot, error)
+        return lost
+
     def join(self) -> None:
         """Give every worker the torch elastic environment of this world: ``RANK`` in slot order,
         ``MASTER_ADDR`` and a free ``MASTER_PORT`` on rank 0's host (``MonarchWorker.join_world``)."""
@@ -154,6 +179,13 @@ class WorkerWorld:
             )
             for future in part.workers.join_world.stream(world):
                 future.get()
+
+
+def leave_world(workers: Fanout, timeout: float) -> None:
+    """Each of ``workers`` leaves its stage and process group (not through the mesh's gather: the
+    process watch may still see the dead)."""
+    for left in workers.leave_world.stream():
+        left.get(timeout=timeout)
 
 
 def host_label(hosts: HostMesh) -> str:

@@ -1,0 +1,122 @@
+"""What the workers report to the controller besides their entries: failures, warnings,
+checkpoint state, stats, predictions and their answers to a preflight.
+
+Both sides import this module; the entries that carry most of these are in
+:mod:`lightning_monarch.protocol`.
+"""
+
+from __future__ import annotations
+
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """One worker's answer to a :class:`PreflightSpec`: where it runs, what it sees, how fast its
+    all-reduce was, every problem found (empty when all is well) and every warning."""
+
+    rank: int
+    host: str
+    pid: int
+    device: str
+    device_memory_gib: Optional[float]
+    versions: dict[str, Optional[str]]
+    visible_devices: dict[str, str]
+    all_reduce_s: Optional[float]
+    problems: list[str]
+    #: Settings known to cause hangs (RCCL's, on ROCm); reported, not fatal.
+    warnings: list[str]
+
+
+@dataclass(frozen=True)
+class PredictionShard:
+    """One rank's ``predict_step`` output for one batch, with the dataset indices of its samples."""
+
+    output: Any
+    batch_indices: list[int]
+    dataloader_idx: int
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """An exception raised on a worker, with where it happened and the remote traceback."""
+
+    rank: int
+    host: str
+    hook: Optional[str]
+    exception_type: str
+    message: str
+    traceback: str
+    #: The memory the worker had in use when it failed, in MiB: its GPU's allocated memory, or on a
+    #: CPU worker its process's resident size.
+    memory_mib: Optional[float] = None
+
+    @classmethod
+    def capture(cls, error: BaseException, rank: int, hook: Optional[str], memory_mib: float) -> WorkerFailure:
+        """Describe ``error``, raised on this host at rank ``rank`` in ``hook`` with ``memory_mib`` in
+        use (``worker.stats.memory_in_use_mib``), with its traceback."""
+        return cls(
+            rank=rank,
+            host=socket.gethostname(),
+            hook=hook,
+            exception_type=type(error).__name__,
+            message=str(error),
+            traceback="".join(traceback.format_exception(error)),
+            memory_mib=memory_mib,
+        )
+
+
+@dataclass(frozen=True)
+class WorkerWarning:
+    """A Python warning a worker process showed, held for the controller to show once
+    (``worker.held_warnings``, ``controller.mesh.worker_warnings``): what ``warnings.showwarning`` got,
+    the class named ``module:qualname``."""
+
+    category: str
+    message: str
+    filename: str
+    lineno: int
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """Rank 0's model, optimizer, LR-scheduler, worker-callback and precision-plugin state (the
+    gradient scaler's under ``precision="16-mixed"``), for a checkpoint or the end of a stage."""
+
+    model: dict[str, Any]
+    optimizers: list[dict[str, Any]]
+    lr_schedulers: list[dict[str, Any]]
+    callbacks: dict[str, Any]
+    precision: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RankValue:
+    """One rank's value of something every rank has (a metric), for the controller to compare."""
+
+    rank: int
+    value: Any
+
+
+@dataclass(frozen=True)
+class ModuleAttributes:
+    """A rank's module's public Python attributes that can travel, and for every other one why it
+    cannot (its pickling error)."""
+
+    values: dict[str, Any]
+    dropped: dict[str, str]
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One worker's answer to a stats read for ``MeshStatsMonitor`` (see ``worker.stats``), taken
+    where its loop is parked: named values with their unit in the name (``rss_mib``,
+    ``step_time_ms``, ...), and, once per worker process, why a GPU tool gives nothing (``None``
+    when nothing is missing)."""
+
+    rank: int
+    values: dict[str, float]
+    missing: Optional[str] = None

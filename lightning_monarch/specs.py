@@ -1,0 +1,239 @@
+"""What the controller gives the workers: a stage, the world they join, a preflight, and the
+references its objects travel as.
+
+Both sides import this module, as they do :mod:`lightning_monarch.protocol`, whose rules (R1-R8)
+these messages serve; nothing here talks to a mesh or runs a hook.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from lightning_monarch._compat.torch import tree_map
+from lightning_monarch.codec import Parcel, Shipment
+from lightning_monarch.protocol import RunAhead
+
+
+def versions() -> dict[str, Optional[str]]:
+    """This process's torch, Lightning, CUDA and HIP versions: the controller's and every
+    worker's must agree."""
+    import lightning
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+    }
+
+
+def worker_backend(accelerator: str, chosen: Optional[str]) -> str:
+    """The workers' ``torch.distributed`` backend: the one chosen, else what Lightning's DDP picks
+    (``nccl`` on GPUs, which is RCCL on a ROCm build of torch; ``gloo`` on CPUs)."""
+    return chosen or ("nccl" if accelerator == "cuda" else "gloo")
+
+
+#: The environment variable that a host serving preemption notices (``lightning-monarch serve``)
+#: gives its worker processes: the file it writes when it gets SIGTERM.
+NOTICE_VARIABLE = "LIGHTNING_MONARCH_NOTICE_FILE"
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """How the workers shard the module under ``MonarchModelParallelStrategy``: on a device mesh
+    of ``mesh_shape``, in the module's own ``configure_model``; under ``MonarchFSDPStrategy``
+    (``wraps``) then with FSDP2's ``fully_shard``, each instance of the ``policy`` module classes,
+    then the root module (see ``worker.sharding``). The options apply to the ``fully_shard`` calls
+    the workers make, not to the module's own."""
+
+    #: The workers' device mesh, (data parallel, tensor parallel) sizes, as Lightning's
+    #: ``ModelParallelStrategy`` takes them.
+    mesh_shape: tuple[int, int] = (1, 1)
+    #: Whether the workers shard the module after its own ``configure_model`` (``MonarchFSDPStrategy``);
+    #: otherwise that hook applies every parallelism itself, as under Lightning's strategy.
+    wraps: bool = True
+    #: Whether a checkpoint is a directory of every rank's shards, or one file rank 0 writes.
+    save_distributed_checkpoint: bool = True
+    #: The workers' process-group timeout (a ``timedelta``), as Lightning's strategy takes it.
+    timeout: Optional[Any] = None
+    policy: tuple[type, ...] = ()
+    #: FSDP2's ``MixedPrecisionPolicy`` (a param and a reduce dtype), or ``None`` for none.
+    mixed_precision: Optional[Any] = None
+    #: Module classes whose every instance recomputes its activations in the backward pass.
+    activation_checkpointing: tuple[type, ...] = ()
+    #: Keep the sharded parameters (and so their gradients and optimizer state) on the CPU.
+    cpu_offload: bool = False
+    #: The module's weights are the shards the workers kept from its last sharded stage (the
+    #: controller's module is on the meta device): once sharded, each rank loads its own.
+    from_shards: bool = False
+
+    def no_match_warning(self) -> str:
+        """The warning for a policy that names no class of the module's submodules."""
+        names = ", ".join(cls.__name__ for cls in self.policy)
+        return (
+            f"`MonarchFSDPStrategy(fsdp_policy={{{names}}})`: the module has no submodule of these"
+            " classes, so FSDP2 shards it as one unit (the root module) and every step gathers all of its"
+            " parameters at once. Name the classes of its repeated blocks (e.g. its transformer layers) in"
+            " `fsdp_policy`."
+        )
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The controller Trainer's flags that a worker's Trainer must share so both loops agree (R1)."""
+
+    accelerator: str
+    devices: int
+    num_nodes: int
+    precision: str
+    process_group_backend: Optional[str]
+    flags: dict[str, Any]
+    ddp_kwargs: dict[str, Any]
+    #: ``None``: a DDP replica per worker; else the module is sharded with FSDP2.
+    sharding: Optional[ShardingSpec] = None
+
+
+@dataclass(frozen=True)
+class PreflightSpec:
+    """What every worker checks before the first step (see ``worker.preflight``): the controller's
+    versions to match, the device kind, and an all-reduce of ``all_reduce_mib`` MiB that must
+    finish within ``all_reduce_limit_s``."""
+
+    accelerator: str
+    process_group_backend: Optional[str]
+    versions: dict[str, Optional[str]]
+    all_reduce_mib: float
+    all_reduce_limit_s: float
+
+
+@dataclass(frozen=True)
+class RankSnapshot:
+    """One rank's part of a snapshot: what a Lightning checkpoint does not hold (the random
+    states, the module's public attributes, the Trainer's stored metric values), and on rank 0
+    the checkpoint itself (``torch.save`` bytes; ``None`` under sharding, where every rank writes its
+    shards into the snapshot's directory instead), all read at :data:`SNAPSHOT_GATE`."""
+
+    rank: int
+    rng: dict[str, Any]
+    attributes: dict[str, Any]
+    metrics: dict[str, dict[str, Any]]
+    checkpoint: Optional[bytes]
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a replacement worker's stage starts: Lightning's own resume from ``checkpoint``, run
+    without gates up to :data:`SNAPSHOT_GATE`, where each rank takes back its random states and
+    module attributes from ``ranks``; from there the controller replays its journal.
+
+    ``checkpoint`` is rank 0's Lightning checkpoint (``torch.save`` bytes, packed as a ``Parcel``
+    whose bytes travel once) under ``ddp``, and under ``MonarchFSDPStrategy`` the path of the sharded
+    checkpoint directory that every rank wrote its shards into
+    (``controller.loop.checkpoints.SnapshotDirectory``)."""
+
+    checkpoint: Union[Parcel, str]
+    ranks: tuple[RankSnapshot, ...]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Everything a worker needs to run one Trainer stage: sent once per stage.
+
+    ``fit_loop_state`` is the controller's ``trainer.fit_loop.state_dict()``: a Trainer that ran
+    ``fit`` before carries its epoch and step into later stages, and so must each worker's.
+    ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks)``, a
+    ``codec.Parcel``: it is pickled once on the controller (where a failure is reported before any
+    worker starts), and every worker gets its pickle, while its large storages (the weights) leave
+    the controller at most once, as ``shipment`` says, and not at all where the workers hold them
+    (``worker.storages``).
+    """
+
+    fn: str
+    payload: Parcel
+    ckpt_path: Optional[str]
+    fit_loop_state: dict[str, Any]
+    trainer: TrainerConfig
+    loggers: list[LoggerIdentity]
+    sys_path: tuple[str, ...]
+    #: Environment variables to set on the worker; ``None`` unsets one.
+    env: dict[str, Optional[str]]
+    #: How far the workers may lead, where they wait, what their entries carry (R4-R6).
+    run_ahead: RunAhead
+    #: Set when new workers replace failed ones: the snapshot they resume from.
+    resume: Optional[ResumePoint] = None
+    #: A rehearsal (``controller.features.rehearsal``): every rank records its batch times and memory
+    #: (``worker.stats.RehearsalRecorder``), read with its stats.
+    rehearsal: bool = False
+    #: A checkpoint file's bytes that travel with the stage (a ``Parcel``, as the payload's
+    #: storages do), for workers on hosts that may not reach the controller's disk: the workers
+    #: resume from it instead of ``ckpt_path`` (an elastic ``fit`` going on from its resume point in
+    #: a smaller world, ``controller.features.elastic``).
+    checkpoint: Optional[Parcel] = None
+    #: How the storages of its parcels that rank 0 does not hold travel (set as it is sent).
+    shipment: Shipment = Shipment()
+
+    def parcels(self) -> list[Parcel]:
+        """The parcels the stage opens: the payload, and a checkpoint's bytes where one travels."""
+        resumed = self.resume.checkpoint if self.resume is not None else None
+        return [parcel for parcel in (self.payload, self.checkpoint, resumed) if isinstance(parcel, Parcel)]
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    """The world a worker joins (``MonarchWorker.join_world``): what it needs to set torchrun's
+    environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) for its place in it. Made by
+    ``controller.mesh.world`` when the mesh starts and whenever elastic training changes its hosts."""
+
+    master_addr: str
+    master_port: int
+    #: Workers per host, and hosts.
+    local_world_size: int
+    group_world_size: int
+    #: The hosts' dimension of the mesh the worker's actor was spawned on (``None`` for one host).
+    host_dimension: Optional[str]
+    #: The group rank (the host's place in the world) of each host coordinate of that mesh.
+    group_ranks: dict[int, int]
+
+
+@dataclass(frozen=True)
+class LoggerIdentity:
+    """What module code on a worker sees of one of the controller's loggers (``self.logger.name``)."""
+
+    name: Optional[str]
+    version: Any
+    save_dir: Optional[str]
+    log_dir: Optional[str]
+
+
+@dataclass(frozen=True)
+class OptimizerRef:
+    """An optimizer the user's ``configure_optimizers`` returned, described for the controller."""
+
+    index: int
+    class_name: str
+    param_groups: list[dict[str, Any]]
+    #: Whether ``step(closure)`` calls the closure exactly once (torch's own optimizers, LBFGS
+    #: aside), so the controller knows how often to run its closure without asking.
+    single_closure: bool
+
+
+@dataclass(frozen=True)
+class SchedulerRef:
+    """An LR scheduler the user's ``configure_optimizers`` returned, described for the controller."""
+
+    optimizer_index: int
+    reduce_on_plateau: bool
+
+
+@dataclass(frozen=True)
+class LoaderRef:
+    """A dataloader that a ``*_dataloader`` hook returned; the controller iterates batch indices."""
+
+    batch_size: Optional[int]
+
+    @classmethod
+    def describe(cls, loaders: Any) -> Any:
+        """The same tree as ``loaders`` (a loader, or lists/dicts of them) with each loader described."""
+        return tree_map(lambda loader: cls(batch_size=getattr(loader, "batch_size", None)), loaders)
