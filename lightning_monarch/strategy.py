@@ -382,7 +382,8 @@ class MonarchStrategy(ParallelStrategy):
         decision (rank 0's) is every rank's when every worker holds the same value of that metric,
         and otherwise it raises, naming the metric. Any other caller's decision cannot be known for
         the other ranks, and raises."""
-        return collectives.boolean_decision(self._stage.session, decision)
+        caller, function = lightning_compat.decision_caller()
+        return collectives.boolean_decision(self._stage.session, decision, caller, function)
 
     # ----- state that lives on the workers ---------------------------------------------------
 

@@ -1,18 +1,26 @@
-"""Which code runs where, at import time: a worker process imports the shared modules and
-``worker/`` only, and the controller's install step (strategy registry, accelerator routing,
-Monarch's fault hook) runs in the controller alone (``controller/install.py``).
+"""Which code runs where, and the shape of the package.
 
-Real processes: a fit on two Monarch workers, then a probe actor in the same worker processes
-reports their ``sys.modules`` and the state the install step would have changed.
-``tests/test_pytorch_lightning.py`` runs the same test in ``pytorch_lightning``'s namespace.
+At import time: a worker process imports the shared modules and ``worker/`` only, and the
+controller's install step (strategy registry, accelerator routing, Monarch's fault hook) runs in
+the controller alone (``controller/install.py``). Real processes: a fit on two Monarch workers,
+then a probe actor in the same worker processes reports their ``sys.modules`` and the state the
+install step would have changed. ``tests/test_pytorch_lightning.py`` runs the same test in
+``pytorch_lightning``'s namespace.
+
+In the source: imports run one way, from the strategies to the controller (no controller module
+but the install step imports a strategy at run time, and no worker module imports the controller
+or a strategy), and no module is over 500 lines, no class over 400.
 """
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import lightning as L
+import pytest
 
+import lightning_monarch
 from lightning_monarch import stop_meshes
 from tests.conftest import probe_warm_workers
 from tests.models import Classifier
@@ -48,3 +56,108 @@ def test_workers_import_no_controller_module_and_install_nothing(tmp_path: Path)
     assert here["fault_hook"].startswith("lightning_monarch")  # either namespace's: the last installed
     assert here["fault_hook"].endswith(".controller.install")
     assert here["accelerator_routed"]
+
+
+PACKAGE = Path(lightning_monarch.__file__).parent
+#: The modules of the strategies, and the names the package exports them by.
+STRATEGY_MODULES = frozenset(
+    {"lightning_monarch.strategy", "lightning_monarch.fsdp", "lightning_monarch.model_parallel"}
+)
+STRATEGY_NAMES = frozenset({"MonarchStrategy", "MonarchFSDPStrategy", "MonarchModelParallelStrategy"})
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 400
+
+
+def _modules(folder: str) -> list[Path]:
+    return sorted((PACKAGE / folder).rglob("*.py"))
+
+
+def run_time_imports(source: str) -> list[tuple[int, str]]:
+    """The modules (and ``lightning_monarch.<Name>`` names) that ``source`` imports or reads at run
+    time, at module level or inside a function, with their line; imports under
+    ``if TYPE_CHECKING:`` are for types only, and left out."""
+    tree = ast.parse(source)
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only.update(id(inner) for statement in node.body for inner in ast.walk(statement))
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and not node.level:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "lightning_monarch"
+        ):
+            found.append((node.lineno, f"lightning_monarch.{node.attr}"))
+    return found
+
+
+def strategy_imports(source: str) -> list[tuple[int, str]]:
+    """The run-time imports of ``source`` that reach a strategy's module."""
+    return [
+        (line, name)
+        for line, name in run_time_imports(source)
+        if name in STRATEGY_MODULES or name in {f"lightning_monarch.{strategy}" for strategy in STRATEGY_NAMES}
+    ]
+
+
+def test_no_controller_module_imports_a_strategy_at_run_time() -> None:
+    found = {
+        str(path.relative_to(PACKAGE)): strategy_imports(path.read_text())
+        for path in _modules("controller")
+        if path.name != "install.py"  # the one module that registers the strategies by name
+    }
+    assert {module: imports for module, imports in found.items() if imports} == {}
+    assert strategy_imports((PACKAGE / "controller" / "install.py").read_text())  # the install step does
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def f():\n    from lightning_monarch.strategy import MonarchStrategy\n",
+        "from lightning_monarch import MonarchFSDPStrategy\n",
+        "import lightning_monarch.model_parallel\n",
+        "import lightning_monarch\n\ndef f():\n    return lightning_monarch.MonarchStrategy\n",
+    ],
+)
+def test_the_direction_check_finds_a_run_time_import_of_a_strategy(source: str) -> None:
+    assert strategy_imports(source)
+
+
+def test_the_direction_check_leaves_type_checking_imports_alone() -> None:
+    source = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from lightning_monarch.strategy import MonarchStrategy\n"
+    assert strategy_imports(source) == []
+
+
+def test_no_worker_module_imports_the_controller_or_a_strategy() -> None:
+    found = {
+        str(path.relative_to(PACKAGE)): [
+            (line, name)
+            for line, name in run_time_imports(path.read_text())
+            if name.startswith("lightning_monarch.controller") or (line, name) in strategy_imports(path.read_text())
+        ]
+        for path in _modules("worker")
+    }
+    assert {module: imports for module, imports in found.items() if imports} == {}
+
+
+def test_no_module_over_500_lines_and_no_class_over_400() -> None:
+    modules, classes = {}, {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        name = str(path.relative_to(PACKAGE))
+        if source.count("\n") > MAX_MODULE_LINES:
+            modules[name] = source.count("\n")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_CLASS_LINES:
+                    classes[f"{name}:{node.name}"] = lines
+    assert (modules, classes) == ({}, {})

@@ -12,7 +12,6 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.loop.session import StageSession
 
 
@@ -38,14 +37,14 @@ def on_workers(
     return session.requests.collective(kind, view, key, options)
 
 
-def boolean_decision(session: Optional[StageSession], decision: bool) -> bool:
-    """What Lightning's callbacks decide on every DDP rank, combined. ``ModelCheckpoint`` checks
+def boolean_decision(session: Optional[StageSession], decision: bool, caller: Any, function: str) -> bool:
+    """What Lightning's callbacks decide on every DDP rank, combined; ``caller`` is the object whose
+    method ``function`` asked (``_compat.lightning.decision_caller``). ``ModelCheckpoint`` checks
     for a file on rank 0 alone, so its decision is the controller's; ``EarlyStopping`` and
     ``ModelCheckpoint``'s top-k decide from the metric they monitor, so the controller's
     decision (rank 0's) is every rank's when every worker holds the same value of that metric,
     and otherwise it raises, naming the metric. Any other caller's decision cannot be known for
     the other ranks, and raises."""
-    caller, function = lightning_compat.decision_caller()
     if function == "file_exists" or session is None:
         return decision
     monitor = getattr(caller, "monitor", None)
