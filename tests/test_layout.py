@@ -8,8 +8,9 @@ install step would have changed. ``tests/test_pytorch_lightning.py`` runs the sa
 ``pytorch_lightning``'s namespace.
 
 In the source: imports run one way, from the strategies to the controller (no controller module
-but the install step imports a strategy at run time, and no worker module imports the controller
-or a strategy), and no module is over 500 lines, no class over 400.
+but the install step imports a strategy at run time, no worker module imports the controller or a
+strategy, and no two modules import each other at run time), and no module is over 500 lines, no
+class over 400.
 """
 
 from __future__ import annotations
@@ -146,6 +147,44 @@ def test_no_worker_module_imports_the_controller_or_a_strategy() -> None:
         for path in _modules("worker")
     }
     assert {module: imports for module, imports in found.items() if imports} == {}
+
+
+def import_cycles(sources: dict[str, str]) -> list[list[str]]:
+    """The cycles among modules (name to source) that import each other at run time."""
+    graph = {}
+    for name, source in sources.items():
+        imported = set()
+        for _, target in run_time_imports(source):
+            while target and target not in sources:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(f"{target}."):  # a package's own modules
+                imported.add(target)
+        graph[name] = imported
+    cycles, done = [], set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            cycles.append(path[path.index(name) :])
+            return
+        if name in done:
+            return
+        for target in sorted(graph[name]):
+            visit(target, [*path, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    return cycles
+
+
+def test_no_two_modules_import_each_other_at_run_time() -> None:
+    sources = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        sources[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path.read_text()
+    assert import_cycles(sources) == []
+    circle = {"a": "import b\n", "b": "def f():\n    from c import x\n", "c": "import a\n"}
+    assert import_cycles(circle) == [["a", "b", "c"]]  # the check finds one through a function's import
 
 
 def test_no_module_over_500_lines_and_no_class_over_400() -> None:
