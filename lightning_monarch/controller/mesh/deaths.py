@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, Optional
 
 from lightning_monarch._compat.monarch import SupervisionError, failed_rank
-from lightning_monarch.controller.mesh.watch import ProcessWatch
+from lightning_monarch.controller.mesh.watch import POLL_S, ProcessWatch
 from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError
 from lightning_monarch.protocol import RankStatus
 from lightning_monarch.reports import WorkerFailure
@@ -25,6 +25,10 @@ from lightning_monarch.reports import WorkerFailure
 #: first as the survivors' gloo/NCCL error, and the report of a death on another host came 10 s
 #: after it in ``benchmarks/death_report.py``.
 _SUPERVISION_GRACE_S = 20.0
+#: How long a survivor's collective error waits, with every worker on this host, for the process
+#: watch to see the dead peer: the peer's sockets close while its process exits, and its exit can
+#: end that much later on a loaded host (``tests/test_deaths.py``).
+_EXIT_GRACE_S = 3.0
 #: What a survivor's error says when a peer of its collective is gone (gloo's and NCCL's words).
 _PEER_LOST = re.compile(r"closed by peer|reset by peer|remote worker|NCCL|RCCL|Connection refused|Broken pipe", re.I)
 
@@ -48,9 +52,13 @@ def raise_if_a_death_caused(
     at once; on other hosts Monarch's supervision does, seconds later, in one of ``pending``
     (answers not taken yet). Without ``pending`` every rank is asked its status (``statuses()``),
     which a live worker answers at once: a rank that does not answer within the grace is named as
-    dead too, since Monarch may report a lost host in another way, or later."""
+    dead too, since Monarch may report a lost host in another way, or later. With every worker on
+    this host, the watch is given :data:`_EXIT_GRACE_S` to see the dead peer."""
     raise_if_dead(watch)
-    if watch.watches_all or not _PEER_LOST.search(failure.message):
+    if not _PEER_LOST.search(failure.message):
+        return
+    if watch.watches_all:
+        _raise_if_dead_within(watch, _EXIT_GRACE_S)
         return
     if pending is not None:
         _raise_if_supervision_reports(pending)
@@ -92,6 +100,14 @@ def raise_if_dead(watch: ProcessWatch) -> None:
         raise MeshFailureError(
             f"Worker {pids} died: killed, out of memory or crashed. The other workers were stopped.", dead
         )
+
+
+def _raise_if_dead_within(watch: ProcessWatch, seconds: float) -> None:
+    """Raise as :func:`raise_if_dead` does if a watched process is seen dead within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        raise_if_dead(watch)
 
 
 def raise_if_timed_out(

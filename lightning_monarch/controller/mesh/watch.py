@@ -17,6 +17,8 @@ import psutil
 
 #: How often the controller checks on the workers while it waits for them.
 POLL_S = 0.25
+#: The states of a process that has ended but is not reaped yet.
+_ENDED = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
 class ProcessWatch:
@@ -63,6 +65,6 @@ def _process(pid: int) -> Optional[psutil.Process]:
 
 def _alive(process: Optional[psutil.Process]) -> bool:
     try:
-        return process is not None and process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        return process is not None and process.is_running() and process.status() not in _ENDED
     except psutil.NoSuchProcess:
         return False
