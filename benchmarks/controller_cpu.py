@@ -19,6 +19,7 @@ import argparse
 import statistics
 from typing import Any
 
+from benchmarks import plots
 from benchmarks.run import run_one, write_results
 
 DEVICES = (2, 4, 8, 16)
@@ -61,13 +62,11 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict[str, Any], path: Any) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4))
+def plot(figures: dict[str, Any]) -> Any:
+    """Both per-batch figures against the number of workers, and the target's band. ``ddp`` has no
+    controller, so there is no ``ddp`` line: its rank 0 runs the loop in its own training process."""
+    summary = figures["summary"]
+    figure, axis = plots.pyplot().subplots(figsize=(7, 4))
     workers = [int(devices) for devices in summary["medians"]]
     for name, what in FIGURES[:2]:
         axis.plot(workers, [row[name] for row in summary["medians"].values()], marker="o", label=what)
@@ -80,8 +79,7 @@ def plot(summary: dict[str, Any], path: Any) -> None:
     axis.set_ylabel("controller CPU per training batch (ms)")
     axis.set_title("monarch's controller: CPU per batch, workers whose steps sleep 50 ms")
     axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path)
+    return figure
 
 
 def main() -> None:
@@ -94,9 +92,7 @@ def main() -> None:
             print(f"[controller CPU, {devices} workers, {rep + 1}/{args.reps}] ...", flush=True)
             runs.setdefault(str(devices), []).append(run_one("monarch", "small", 0, "controller_cpu", devices))
     summary = summarize(runs)
-    write_results(
-        "controller_cpu", {"summary": summary, "runs": runs}, table(summary), lambda path: plot(summary, path)
-    )
+    write_results("controller_cpu", {"summary": summary, "runs": runs}, table(summary), plot)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import lightning as L
 import torch
 from monarch.job import ProcessJob
 
+from benchmarks import plots
 from benchmarks.fresh import RESULTS, FirstStep, run_cases
 from benchmarks.recovery import BATCHES, CHECKPOINT_EVERY, KILL_AT, SIZE, STEPS, KillRank1, fault_trainer
 from lightning_monarch import MonarchStrategy, stop_meshes
@@ -137,31 +138,33 @@ def main() -> None:
         + [f"| {what} | {seconds:.2f} | {steps} |" for what, seconds, steps in rows]
     )
     (RESULTS / "elastic.md").write_text(table + "\n")
-    _plot(rows, RESULTS / "elastic.png")
+    plots.save(plot(results), RESULTS / "elastic.png")
     print(table)
 
 
-def _plot(rows: list[tuple[str, float, int]], path: Path) -> None:
-    import matplotlib
+#: The plot's bars: each case, the figure it shows and its label.
+_BARS = (
+    ("monarch_shrink", "resumed_s", "monarch: shrink\n(host lost)"),
+    ("monarch_notice", "resumed_s", "monarch: shrink\n(SIGTERM notice)"),
+    ("monarch_restart", "resumed_s", "monarch: restart\n(host alive)"),
+    ("ddp_restart_one_fewer", "first_step_s", "ddp: restart one\nfewer from ckpt"),
+)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    labels = [
-        "monarch: shrink\n(host lost)",
-        "monarch: shrink\n(SIGTERM notice)",
-        "monarch: restart\n(host alive)",
-        "ddp: restart one\nfewer from ckpt",
-    ]
-    figure, axis = plt.subplots(figsize=(8, 3.5))
-    axis.bar(labels, [seconds for _, seconds, _ in rows], color=["tab:blue", "tab:blue", "tab:blue", "tab:orange"])
-    for index, (_, seconds, steps) in enumerate(rows):
-        axis.annotate(f"{steps} steps redone", (index, seconds), ha="center", va="bottom")
-    axis.set_ylim(0, max(seconds for _, seconds, _ in rows) * 1.15)
+def plot(results: dict[str, Any]) -> Any:
+    """Each case's seconds to its next step and the steps it redid, ``ddp``'s restart beside monarch's."""
+    seconds = [results[case][measured] for case, measured, _ in _BARS]
+    figure, axis = plots.pyplot().subplots(figsize=(8, 3.5))
+    labels = [label for _, _, label in _BARS]
+    axis.bar(labels, seconds, color=plots.colors(labels))
+    for index, (case, _, _) in enumerate(_BARS):
+        axis.annotate(
+            f"{results[case]['steps_redone']} steps redone", (index, seconds[index]), ha="center", va="bottom"
+        )
+    axis.set_ylim(0, max(seconds) * 1.15)
     axis.set_ylabel("seconds after the death\nor SIGTERM (lower is better)")
     axis.set_title(f"Host 1 of 2 lost or preempted at step {KILL_AT}, {SIZE} model, CPU")
-    figure.tight_layout()
-    figure.savefig(path)
+    return figure
 
 
 if __name__ == "__main__":

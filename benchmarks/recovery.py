@@ -29,6 +29,7 @@ import psutil
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from benchmarks import plots
 from benchmarks.fresh import RESULTS, FirstStep, run_cases
 from lightning_monarch import MeshFailureError, MonarchStrategy
 from lightning_monarch.benchmark.models import BenchModel
@@ -154,28 +155,23 @@ def main() -> None:
         ]
     )
     (RESULTS / "recovery.md").write_text(table + "\n")
-    _plot(results, RESULTS / "recovery.png")
+    plots.save(plot(results), RESULTS / "recovery.png")
     print(table)
 
 
-def _plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(results: dict[str, Any]) -> Any:
+    """monarch's seconds to detect and to recover beside ``ddp``'s restart from a checkpoint."""
     labels = ["monarch: detect", "monarch: recover\n(replay)", "ddp: restart\nfrom checkpoint"]
     values = [
         results["monarch_fail"]["detected_s"],
         results["monarch_restart"]["resumed_s"],
         results["ddp_restart_from_checkpoint"]["first_step_s"],
     ]
-    figure, axis = plt.subplots(figsize=(6, 3.5))
-    axis.bar(labels, values, color=["tab:blue", "tab:blue", "tab:orange"])
+    figure, axis = plots.pyplot().subplots(figsize=(6, 3.5))
+    axis.bar(labels, values, color=plots.colors(labels))
     axis.set_ylabel("seconds after the kill (lower is better)")
     axis.set_title(f"SIGKILL of 1 of 2 CPU workers at step {KILL_AT}, {SIZE} model")
-    figure.tight_layout()
-    figure.savefig(path)
+    return figure
 
 
 if __name__ == "__main__":

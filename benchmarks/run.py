@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import plots
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("monarch", "ddp", "ddp_spawn", "torch")
 #: Training steps per size: enough steady-state steps for a stable figure.
@@ -48,6 +50,11 @@ class Measure:
     #: ``True``: the metric is a time (ddp's over monarch's); ``False``: a rate (monarch's over ddp's).
     is_time: bool
     target: float
+
+    @property
+    def unit(self) -> str:
+        """The unit of the metric's figures."""
+        return {"fit_s": "s", "step_ms": "ms/step"}.get(self.metric, "samples/s")
 
 
 MEASURES = [
@@ -190,36 +197,48 @@ def _shown(medians: dict[str, Any], mode: str, metric: str, fmt: str = "{:.1f}")
     return fmt.format(value) if value is not None else "n/a"
 
 
-def plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = summary["measures"]
-    figure, axis = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+def plot(figures: dict[str, Any]) -> Any:
+    """Each measure's speed relative to ``ddp``'s, ``ddp``'s bar (1) beside monarch's, each pair
+    with both figures in their unit, and the target."""
+    rows = figures["summary"]["measures"]
+    units = {measure.name: measure.unit for measure in MEASURES}
+    figure, axis = plots.pyplot().subplots(figsize=(11, 0.6 * len(rows) + 1.6))
+    height = 0.38
     positions = range(len(rows))
     axis.barh(
-        positions, [row["ratio"] for row in rows], color=["tab:green" if row["met"] else "tab:red" for row in rows]
+        [p - height / 2 for p in positions],
+        [row["ratio"] for row in rows],
+        height,
+        color=["tab:green" if row["met"] else "tab:red" for row in rows],
+        label="monarch (green: target met)",
     )
+    axis.barh([p + height / 2 for p in positions], [1.0] * len(rows), height, color=plots.REFERENCE, label="ddp")
     axis.scatter([row["target"] for row in rows], positions, marker="|", s=300, color="black", label="target")
-    axis.axvline(1.0, color="grey", linewidth=0.8)
+    for position, row in zip(positions, rows, strict=True):
+        axis.annotate(
+            f"{row['monarch']:.4g} / {row['ddp']:.4g} {units.get(row['measure'], '')}",
+            (max(row["ratio"], 1.0), position),
+            xytext=(4, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=7,
+        )
+    axis.set_xlim(0, 1.45)
     axis.set_yticks(list(positions), [row["measure"] for row in rows], fontsize=7)
     axis.invert_yaxis()
-    axis.set_xlabel("monarch / ddp (higher: monarch faster)")
-    axis.set_title("2 workers on a 2-core CPU: medians of alternating runs")
-    axis.legend()
-    figure.tight_layout()
-    figure.savefig(path)
+    axis.set_xlabel("speed relative to ddp (ddp = 1, higher: faster); beside each pair: monarch / ddp")
+    axis.set_title("monarch against ddp, 2 workers on a 2-core CPU: medians of alternating runs")
+    axis.legend(loc="lower right", fontsize=7)
+    return figure
 
 
-def write_results(stem: str, figures: dict[str, Any], markdown: str, draw: Callable[[Path], None]) -> None:
+def write_results(stem: str, figures: dict[str, Any], markdown: str, draw: Callable[[dict[str, Any]], Any]) -> None:
     """Write one benchmark's results: ``results/<stem>.json`` (``figures``), ``<stem>.md``
-    (``markdown``, also printed) and ``<stem>.png`` (drawn by ``draw``)."""
+    (``markdown``, also printed) and ``<stem>.png`` (drawn by ``draw`` from ``figures``)."""
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(figures, indent=2))
     (RESULTS / f"{stem}.md").write_text(markdown + "\n")
-    draw(RESULTS / f"{stem}.png")
+    plots.save(draw(figures), RESULTS / f"{stem}.png")
     print(markdown)
 
 
@@ -250,7 +269,7 @@ def main() -> None:
         "quick" if args.quick else "latest",
         {"summary": summary, "runs": runs},
         table(summary),
-        lambda path: plot(summary, path),
+        plot,
     )
 
 

@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks import plots
 from lightning_monarch import MonarchFSDPStrategy, MonarchModelParallelStrategy
 from lightning_monarch.benchmark.measure import WARMUP_STEPS, peak_rss_mib, step_seconds
 
@@ -265,14 +266,12 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(figures: dict[str, Any]) -> Any:
+    """Memory per worker and time per step of every mode, ``ddp`` and Lightning's own
+    ``model_parallel`` beside the monarch modes."""
+    summary = figures["summary"]
     m = summary["medians"]
-    figure, (memory, speed) = plt.subplots(1, 2, figsize=(13, 4.5))
+    figure, (memory, speed) = plots.pyplot().subplots(1, 2, figsize=(13, 4.5))
     width = 0.4
     memory.bar(
         [i - width / 2 for i in range(len(MODES))],
@@ -287,15 +286,16 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         label="peak RSS above the start",
     )
     memory.set_xticks(range(len(MODES)), MODES, rotation=20, ha="right")
+    memory.set_title("memory per worker (rank 0)")
     memory.set_ylabel("MiB per worker")
     memory.set_ylim(0, 1.35 * max(m[mode]["worker_model_mib"] for mode in MODES))
     memory.legend()
-    speed.bar(MODES, [m[mode]["step_ms"] for mode in MODES])
+    speed.bar(MODES, [m[mode]["step_ms"] for mode in MODES], color=plots.colors(list(MODES)))
     speed.tick_params(axis="x", labelrotation=20)
+    speed.set_title("speed (lower is faster; grey: Lightning's own strategies)")
     speed.set_ylabel("ms per training step (median)")
     figure.suptitle(f"{summary['parameters'] / 1e6:.0f} M parameters, Adam, 2 workers on a 2-core CPU")
-    figure.tight_layout()
-    figure.savefig(path)
+    return figure
 
 
 def main() -> None:
@@ -320,7 +320,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "sharded.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=2))
     (RESULTS / "sharded.md").write_text(table(summary) + "\n")
-    plot(summary, RESULTS / "sharded.png")
+    plots.save(plot({"summary": summary}), RESULTS / "sharded.png")
     print(table(summary))
 
 

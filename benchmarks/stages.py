@@ -20,6 +20,7 @@ import argparse
 import statistics
 from typing import Any
 
+from benchmarks import plots
 from benchmarks.run import run_one, write_results
 
 SIZE = "400mib"
@@ -66,17 +67,22 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict[str, Any]], path: Any) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(9, 0.6 * len(rows) + 1.5))
+def plot(figures: dict[str, Any]) -> Any:
+    """Both modes' seconds side by side for each measure, with their ratio."""
+    rows = figures["rows"]
+    figure, axis = plots.pyplot().subplots(figsize=(9, 0.6 * len(rows) + 1.5))
     positions = list(range(len(rows)))
     height = 0.38
-    axis.barh([p - height / 2 for p in positions], [row["monarch_s"] for row in rows], height, label="monarch")
-    axis.barh([p + height / 2 for p in positions], [row["ddp_s"] for row in rows], height, label="ddp")
+    axis.barh(
+        [p - height / 2 for p in positions],
+        [row["monarch_s"] for row in rows],
+        height,
+        label="monarch",
+        color=plots.MONARCH,
+    )
+    axis.barh(
+        [p + height / 2 for p in positions], [row["ddp_s"] for row in rows], height, label="ddp", color=plots.REFERENCE
+    )
     for position, row in zip(positions, rows, strict=True):
         axis.annotate(
             f"ddp/monarch {row['ratio']:.2f}",
@@ -86,13 +92,13 @@ def plot(rows: list[dict[str, Any]], path: Any) -> None:
             va="center",
             fontsize=7,
         )
+    axis.set_xlim(0, 1.25 * max(max(row["monarch_s"], row["ddp_s"]) for row in rows))
     axis.set_yticks(positions, [row["measure"] for row in rows], fontsize=7)
     axis.invert_yaxis()
     axis.set_xlabel("seconds (medians; lower is better)")
     axis.set_title("Stages of a 400 MiB model on a 2-core CPU: monarch against ddp")
-    axis.legend(loc="lower right")
-    figure.tight_layout()
-    figure.savefig(path)
+    axis.legend(loc="upper right")
+    return figure
 
 
 def main() -> None:
@@ -107,7 +113,7 @@ def main() -> None:
                 result = run_one(mode, SIZE, 0, "stages", devices)
                 runs.setdefault(str(devices), {}).setdefault(mode, []).append(result)
     rows = summarize(runs)
-    write_results("stages", {"rows": rows, "runs": runs}, table(rows), lambda path: plot(rows, path))
+    write_results("stages", {"rows": rows, "runs": runs}, table(rows), plot)
 
 
 if __name__ == "__main__":
