@@ -31,6 +31,26 @@ def colors(labels: list[str]) -> list[str]:
     return [MONARCH if label.startswith("monarch") else REFERENCE for label in labels]
 
 
+def pairs(
+    axis: Any,
+    measures: list[str],
+    bars: tuple[list[float], list[float]],
+    notes: list[str],
+    monarch: tuple[Any, str] = (MONARCH, "monarch"),
+    reference: str = "ddp",
+) -> None:
+    """One pair of horizontal bars per measure, monarch's above its reference's, with a note at the
+    end of each pair; ``monarch`` is its bars' colour (one, or one per bar) and legend label."""
+    positions = range(len(measures))
+    height = 0.38
+    axis.barh([p - height / 2 for p in positions], bars[0], height, color=monarch[0], label=monarch[1])
+    axis.barh([p + height / 2 for p in positions], bars[1], height, color=REFERENCE, label=reference)
+    for position, note, ends in zip(positions, notes, zip(*bars, strict=True), strict=True):
+        axis.annotate(note, (max(ends), position), xytext=(4, 0), textcoords="offset points", va="center", fontsize=7)
+    axis.set_yticks(list(positions), measures, fontsize=7)
+    axis.invert_yaxis()
+
+
 def save(figure: Any, path: Path) -> None:
     """Lay ``figure`` out, write it to ``path`` and close it."""
     figure.tight_layout()

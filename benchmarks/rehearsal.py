@@ -108,7 +108,7 @@ def plot(results: dict[str, Any]) -> Any:
     labels[1] += "\n(left out)"
     colors = [plots.MONARCH, "tab:olive"] + ["tab:orange"] * (len(epochs_s) - 1)
     axis.bar(labels, [projected, *epochs_s], color=colors)
-    axis.axhspan(projected * 0.85, projected * 1.15, color="tab:blue", alpha=0.1)
+    axis.axhspan(projected * 0.85, projected * 1.15, color=plots.MONARCH, alpha=0.1)
     axis.set_ylabel("seconds per epoch")
     axis.set_title(f"Projected epoch against the fit's epochs\n{SIZE} model, 2 CPU workers (band: ±15%)")
     return figure

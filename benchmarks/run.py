@@ -203,29 +203,15 @@ def plot(figures: dict[str, Any]) -> Any:
     rows = figures["summary"]["measures"]
     units = {measure.name: measure.unit for measure in MEASURES}
     figure, axis = plots.pyplot().subplots(figsize=(11, 0.6 * len(rows) + 1.6))
-    height = 0.38
-    positions = range(len(rows))
-    axis.barh(
-        [p - height / 2 for p in positions],
-        [row["ratio"] for row in rows],
-        height,
-        color=["tab:green" if row["met"] else "tab:red" for row in rows],
-        label="monarch (green: target met)",
+    plots.pairs(
+        axis,
+        [row["measure"] for row in rows],
+        ([row["ratio"] for row in rows], [1.0] * len(rows)),
+        [f"{row['monarch']:.4g} / {row['ddp']:.4g} {units.get(row['measure'], '')}" for row in rows],
+        monarch=(["tab:green" if row["met"] else "tab:red" for row in rows], "monarch (green: target met)"),
     )
-    axis.barh([p + height / 2 for p in positions], [1.0] * len(rows), height, color=plots.REFERENCE, label="ddp")
-    axis.scatter([row["target"] for row in rows], positions, marker="|", s=300, color="black", label="target")
-    for position, row in zip(positions, rows, strict=True):
-        axis.annotate(
-            f"{row['monarch']:.4g} / {row['ddp']:.4g} {units.get(row['measure'], '')}",
-            (max(row["ratio"], 1.0), position),
-            xytext=(4, 0),
-            textcoords="offset points",
-            va="center",
-            fontsize=7,
-        )
+    axis.scatter([row["target"] for row in rows], range(len(rows)), marker="|", s=300, color="black", label="target")
     axis.set_xlim(0, 1.45)
-    axis.set_yticks(list(positions), [row["measure"] for row in rows], fontsize=7)
-    axis.invert_yaxis()
     axis.set_xlabel("speed relative to ddp (ddp = 1, higher: faster); beside each pair: monarch / ddp")
     axis.set_title("monarch against ddp, 2 workers on a 2-core CPU: medians of alternating runs")
     axis.legend(loc="lower right", fontsize=7)

@@ -71,30 +71,13 @@ def plot(figures: dict[str, Any]) -> Any:
     """Both modes' seconds side by side for each measure, with their ratio."""
     rows = figures["rows"]
     figure, axis = plots.pyplot().subplots(figsize=(9, 0.6 * len(rows) + 1.5))
-    positions = list(range(len(rows)))
-    height = 0.38
-    axis.barh(
-        [p - height / 2 for p in positions],
-        [row["monarch_s"] for row in rows],
-        height,
-        label="monarch",
-        color=plots.MONARCH,
+    plots.pairs(
+        axis,
+        [row["measure"] for row in rows],
+        ([row["monarch_s"] for row in rows], [row["ddp_s"] for row in rows]),
+        [f"ddp/monarch {row['ratio']:.2f}" for row in rows],
     )
-    axis.barh(
-        [p + height / 2 for p in positions], [row["ddp_s"] for row in rows], height, label="ddp", color=plots.REFERENCE
-    )
-    for position, row in zip(positions, rows, strict=True):
-        axis.annotate(
-            f"ddp/monarch {row['ratio']:.2f}",
-            (max(row["monarch_s"], row["ddp_s"]), position),
-            xytext=(4, 0),
-            textcoords="offset points",
-            va="center",
-            fontsize=7,
-        )
     axis.set_xlim(0, 1.25 * max(max(row["monarch_s"], row["ddp_s"]) for row in rows))
-    axis.set_yticks(positions, [row["measure"] for row in rows], fontsize=7)
-    axis.invert_yaxis()
     axis.set_xlabel("seconds (medians; lower is better)")
     axis.set_title("Stages of a 400 MiB model on a 2-core CPU: monarch against ddp")
     axis.legend(loc="upper right")

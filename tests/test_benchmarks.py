@@ -63,7 +63,7 @@ def test_benchmark_run_writes_its_figures(tmp_path: Path) -> None:
 def test_each_committed_result_draws_again_with_a_title_and_labelled_axes(name: str, tmp_path: Path) -> None:
     figures = json.loads((RESULTS / f"{name}.json").read_text())
     figure = WRITERS[name].plot(figures)
-    suptitle = figure._suptitle.get_text() if figure._suptitle is not None else ""
+    suptitle = figure.get_suptitle()
     for axis in figure.axes:
         assert axis.get_title() or suptitle, f"{name}: a panel without a title"
         labels = axis.get_xlabel() + " " + axis.get_ylabel()
