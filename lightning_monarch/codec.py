@@ -13,8 +13,10 @@ module's weights. This keeps what ``torch.save`` keeps (dtype, shape, strides, s
 and storages shared between tensors, as a state dict's tied weights share theirs) and hands any
 other tensor (on a device, sparse, quantized, requiring grad, subclassed) to torch's own pickling.
 
-A :class:`Parcel` is a pickle whose large storages (and large ``bytes``) are left out of it, out of
-band (pickle protocol 5), each named by a :class:`StorageKey`: the hash of its bytes and its size.
+A :class:`Parcel` is a pickle whose large storages (and large ``bytes``, and the large buffers that
+other objects' pickling hands over as ``pickle.PickleBuffer``: NumPy arrays, pandas columns) are
+left out of it, out of band (pickle protocol 5), each named by a :class:`StorageKey`: the hash of
+its bytes and its size.
 Every worker gets the pickle; the storages travel apart, at most once from the controller, and not
 at all where the workers already hold storages with those keys (``worker.storages``).
 """
@@ -26,6 +28,7 @@ import ctypes
 import io
 import os
 import pickle
+import warnings
 from collections import ChainMap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -137,10 +140,11 @@ def pack(
     instance: Any = None
 
     def out_of_band(buffer: pickle.PickleBuffer) -> bool:
-        source = instance.buffer_sources[id(buffer)]
-        if buffer.raw().nbytes < OUT_OF_BAND_BYTES:
+        raw = buffer.raw()
+        if raw.nbytes < OUT_OF_BAND_BYTES:
             return True  # inside the pickle
-        sources.append(source)
+        source = instance.buffer_sources.get(id(buffer))
+        sources.append(_foreign_source(raw) if source is None else source)
         return False
 
     file = io.BytesIO()
@@ -151,6 +155,16 @@ def pack(
     # the pickler's cycles, which would find the memoryviews under those buffers still exported
     instance.clear_memo()
     return Parcel(file.getvalue(), tuple(storage_key(source) for source in sources), tuple(sources))
+
+
+def _foreign_source(raw: memoryview) -> torch.Tensor:
+    """The source of a buffer that another object's pickling made (a NumPy array's, a pandas
+    column's, any ``__reduce_ex__`` that returns a ``pickle.PickleBuffer``): a flat ``uint8``
+    tensor over its bytes, without a copy, which keeps the object alive. A read-only buffer is
+    only read here, so torch's warning about tensors over one does not apply."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(raw, dtype=torch.uint8)
 
 
 def open_parcel(parcel: Parcel, storages: Sequence[torch.UntypedStorage]) -> Any:
@@ -236,6 +250,9 @@ class _Unpickler(pickle.Unpickler):
         # pickle takes each out-of-band buffer as an object with the buffer protocol (a
         # ``bytes`` one through ``memoryview``): a view of the storage, mapped back to it here
         arrays = [_raw(storage) for storage in out_of_band]
+        for array, storage in zip(arrays, out_of_band, strict=True):
+            # a NumPy array rebuilt over the buffer keeps it, which keeps its storage alive
+            array.storage = storage
         super().__init__(file, buffers=arrays)
         self._out_of_band = {id(array): storage for array, storage in zip(arrays, out_of_band, strict=True)}
         self._storages: list[torch.UntypedStorage] = []
