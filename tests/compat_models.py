@@ -4,16 +4,19 @@ logger, and checkpoint hooks. Importable by the workers and by the ``ddp`` refer
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
 import lightning as L
+import numpy as np
+import pandas as pd
 import torch
 import torch.distributed
 import torchmetrics
 from lightning.pytorch.callbacks import BasePredictionWriter, EarlyStopping, LambdaCallback
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from tests.models import ClassificationData, Classifier
 
@@ -399,3 +402,73 @@ class FailsAtStep(Classifier):
         if self.global_step == self.fail_step and self.global_rank == 0:
             raise ValueError(f"failing on purpose at step {self.fail_step}")
         return super().training_step(batch, batch_idx)
+
+
+class WindowStream:
+    """A training stream as time-series libraries build one (GluonTS's ``Cyclic(...).stream()``
+    under its batches): a Python generator made once in ``__init__`` cycles over the series and cuts
+    windows at offsets drawn from torch's global generator, with noise from NumPy's, so it cannot
+    be pickled; each pass over it yields the next ``batches_per_pass`` batches of the one stream."""
+
+    def __init__(self, size: int = 96, batches_per_pass: int = 6, batch_size: int = 8) -> None:
+        self.data = ClassificationData(size)
+        self.batches_per_pass = batches_per_pass
+        self._stream = self._windows(batch_size)
+
+    def _windows(self, batch_size: int) -> Any:
+        features, labels = self.data.tensors
+        while True:
+            for _ in range(0, len(features), batch_size):
+                offsets = torch.randint(0, len(features), (batch_size,))
+                noise = torch.from_numpy(np.random.normal(scale=0.01, size=(batch_size, 16)).astype(np.float32))
+                yield features[offsets] + noise, labels[offsets]
+
+    def __iter__(self) -> Any:
+        return itertools.islice(self._stream, self.batches_per_pass)
+
+
+class FrameData(Dataset):
+    """A tabular dataset as projects hold one: a pandas DataFrame with a string column, and NumPy labels."""
+
+    def __init__(self, size: int) -> None:
+        features = np.random.default_rng(size).standard_normal((size, 16)).astype(np.float32)
+        self.frame = pd.DataFrame(features, columns=[f"f{column}" for column in range(16)])
+        self.frame["kind"] = np.where(features[:, 0] > 0, "up", "down")
+        self.labels = features[:, :4].argmax(-1)
+
+    def __len__(self) -> int:
+        return len(self.frame)
+
+    def __getitem__(self, index: int) -> Any:
+        return torch.from_numpy(self.frame.iloc[index, :16].to_numpy(np.float32)), int(self.labels[index])
+
+
+class FrameDataModule(L.LightningDataModule):
+    """Holds its datasets from ``__init__``: they travel to the workers with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_set, self.val_set = FrameData(96), FrameData(40)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=8, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=8)
+
+
+class NumpyStatsClassifier(Classifier):
+    """Normalizes its inputs with NumPy statistics and maps labels through a NumPy lookup table,
+    both plain attributes, as modules hold their preprocessing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean = np.full(16, 0.1, dtype=np.float32)
+        self.table = np.arange(4096, dtype=np.int64) % 4  # 32 KiB: travels out of band
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x - torch.from_numpy(self.mean))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return super().training_step((x, torch.from_numpy(self.table[y.numpy()])), batch_idx)

@@ -113,6 +113,14 @@ CASES: dict[str, Callable[[Path], Case]] = {
             "val_dataloaders": DataLoader(models.ClassificationData(24), batch_size=4),
         },
     ),
+    # what real projects hold: NumPy and pandas objects in the module and the datamodule, and a
+    # library's stream over a generator, which the controller iterates for every rank
+    "numpy_and_pandas": lambda out: Case(compat.NumpyStatsClassifier(), datamodule=compat.FrameDataModule()),
+    "generator_loaders": lambda out: Case(
+        models.Classifier(),
+        {"max_epochs": 2},
+        loaders={"train_dataloaders": compat.WindowStream(), "val_dataloaders": compat.WindowStream(40, 2)},
+    ),
     "custom_sampler": lambda out: Case(compat.CustomSamplerClassifier(), {"use_distributed_sampler": False}),
     "fast_dev_run": lambda out: Case(models.Classifier(), {"fast_dev_run": 2}),
     "overfit_batches": lambda out: Case(

@@ -32,6 +32,7 @@ from lightning_monarch.controller.loop.plan import make_plan, states_can_travel
 from lightning_monarch.controller.loop.session import StageSession
 from lightning_monarch.controller.mesh.cells import blocks_the_cell
 from lightning_monarch.controller.mesh.channel import StageChannel
+from lightning_monarch.controller.mesh.feed import FedLoaders
 from lightning_monarch.controller.mesh.payload import pack_for_workers
 from lightning_monarch.controller.mesh.pool import MESHES
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
@@ -96,6 +97,29 @@ class MonarchLauncher(lightning_compat.Launcher):
             return function(**arguments)  # Lightning raises its own error for a missing model
         datamodule = arguments.get("datamodule")
         loaders = {name: arguments[name] for name in loader_args if arguments.get(name) is not None}
+        strategy = self._strategy
+        fed = FedLoaders(
+            loaders,
+            len(strategy.parallel_devices or ()) * strategy.num_nodes,
+            _handed_at(),
+            refuse=self._refuse_feeding(stage),
+        )
+        try:
+            return self._launch(function, trainer, arguments, stage, module, datamodule, fed.loaders)
+        finally:
+            fed.close()
+
+    def _launch(
+        self,
+        function: Callable,
+        trainer: Trainer,
+        arguments: dict[str, Any],
+        stage: str,
+        module: LightningModule,
+        datamodule: Optional[LightningDataModule],
+        loaders: dict[str, Any],
+    ) -> Any:
+        """Run the stage on a mesh from the warm pool, its ``loaders`` as the workers get them."""
         spec = self._stage_spec(stage, trainer, module, datamodule, loaders, arguments)
         if stage == "fit" and self._strategy.rehearse:
             self._rehearse(trainer, module, datamodule, loaders)
@@ -212,6 +236,22 @@ class MonarchLauncher(lightning_compat.Launcher):
             if snapshots is not None:
                 snapshots.remove()
 
+    def _refuse_feeding(self, stage: str) -> Optional[str]:
+        """Why this stage cannot have the controller iterate a dataloader that cannot travel, or ``None``."""
+        strategy = self._strategy
+        if stage == "predict":
+            return "`trainer.predict` would then predict every item on every rank."
+        if strategy.max_restarts:
+            return (
+                f"`MonarchStrategy(max_restarts={strategy.max_restarts})` resumes replaced workers, which iterate"
+                " their loaders again from the resume point, and one copy iterated once cannot go back."
+            )
+        if strategy.min_nodes:
+            return "elastic training (`MonarchStrategy(min_nodes=...)`) resumes the fit in a new world, which iterates its loaders again."
+        if strategy.rehearse or strategy._rehearsing:
+            return "`MonarchStrategy(rehearse=True)` would iterate it in the rehearsal first, and the fit would see later items."
+        return None
+
     def _rehearse(
         self,
         trainer: Trainer,
@@ -305,6 +345,18 @@ class MonarchLauncher(lightning_compat.Launcher):
                 states_travel=states_can_travel(module, strategy.worker_callbacks, sharding is not None),
             ),
         )
+
+
+#: The packages whose frames are the Trainer's own, not the code that called it.
+_TRAINER_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_monarch", "torch", "contextlib")
+
+
+def _handed_at() -> str:
+    """Where the code that called the Trainer (the user's or a library's) did so: ``file:line``."""
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in _TRAINER_PACKAGES:
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "an unknown place"
 
 
 def _script_dir() -> Optional[str]:

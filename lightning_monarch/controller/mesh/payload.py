@@ -20,10 +20,13 @@ import pickle
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import cloudpickle
 from lightning.pytorch import Trainer
+from torch import nn
 from typing_extensions import override
 
 from lightning_monarch.codec import Parcel, TensorPickling, pack
@@ -76,26 +79,108 @@ def pack_for_workers(objects: dict[str, Any], script_dir: Optional[str]) -> Parc
     return parcel
 
 
-def _raise_if_unpicklable(role: str, obj: Any) -> None:
+def travel_error(obj: Any) -> Optional[Exception]:
+    """Why ``obj`` cannot be pickled for the workers, or ``None`` where it can. Cheap: the large
+    buffers of its tensors, arrays and ``bytes`` are left out, as a parcel leaves them."""
+    pickler = _ReferenceRecorder(io.BytesIO(), buffer_callback=lambda buffer: False)
+    pickler.bytes_out_of_band = True
     try:
-        _ReferenceRecorder(io.BytesIO()).dump(obj)
+        pickler.dump(obj)
     except Exception as error:
-        globals_used = _unpicklable_main_globals(type(obj))
-        if globals_used:
-            raise TypeError(
-                f"The {role} `{type(obj).__name__}` is defined in `__main__` (a notebook or the script itself), so it"
-                " travels to the worker processes by value, with every `__main__` global its methods use; under"
-                f" strategy='monarch' {', '.join(globals_used)} cannot be pickled ({type(error).__name__}: {error})."
-                f" Move `{type(obj).__name__}` and what it uses into a module next to the notebook (e.g. `models.py`)"
-                " and import it from there, or create those objects in `setup()` or `configure_model()`, which run"
-                " on the workers."
-            ) from error
+        return error
+    finally:
+        pickler.clear_memo()
+    return None
+
+
+@dataclass(frozen=True)
+class Unpicklable:
+    """The innermost object under a root that cannot be pickled, where it is, and why."""
+
+    path: str
+    obj: Any
+    error: Exception
+
+    def describe(self) -> str:
+        """``datamodule.train_set._cache`` (a ``generator``: `stream` at ``file:line``), for messages."""
+        what = f"a `{type(self.obj).__name__}`"
+        code = getattr(self.obj, "gi_code", None) or getattr(self.obj, "__code__", None)
+        if code is not None:
+            what += f": `{code.co_qualname if hasattr(code, 'co_qualname') else code.co_name}` at"
+            what += f" {code.co_filename}:{code.co_firstlineno}"
+        return f"`{self.path}` ({what})"
+
+
+def find_unpicklable(obj: Any, path: str) -> Optional[Unpicklable]:
+    """Where under ``obj`` (named ``path``) pickling fails: the innermost attribute, item or module
+    child that cannot be pickled although everything it holds can; ``None`` where ``obj`` pickles."""
+    error = travel_error(obj)
+    if error is None:
+        return None
+    seen = {id(obj)}
+    while True:
+        for child_path, child in _children(obj, path):
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            child_error = travel_error(child)
+            if child_error is not None:
+                obj, path, error = child, child_path, child_error
+                break
+        else:
+            return Unpicklable(path, obj, error)
+
+
+def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """What ``obj`` holds, each with its path: items, attributes, a module's submodules and tensors."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield (
+                (f"{path}.{key}" if path and isinstance(key, str) and key.isidentifier() else f"{path}[{key!r}]"),
+                value,
+            )
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for index, value in enumerate(obj):
+            yield f"{path}[{index}]", value
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for name, value in vars(obj).items():
+            if isinstance(obj, nn.Module) and name in ("_modules", "_parameters", "_buffers"):
+                yield from ((f"{path}.{child}", item) for child, item in value.items())
+            else:
+                yield f"{path}.{name}", value
+
+
+def _raise_if_unpicklable(role: str, obj: Any) -> None:
+    found = find_unpicklable(obj, _ROOTS[role])
+    if found is None:
+        return
+    error = found.error
+    globals_used = _unpicklable_main_globals(type(obj))
+    if globals_used:
         raise TypeError(
-            f"The {role} `{type(obj).__name__}` cannot be pickled, and under strategy='monarch' it travels to"
-            f" the worker processes pickled: {type(error).__name__}: {error}. Keep objects that cannot be"
-            " pickled (open files, locks, generators, process pools, lambdas in closures) out of its"
-            " attributes, or create them in `setup()` or `configure_model()`, which run on the workers."
+            f"The {role} `{type(obj).__name__}` is defined in `__main__` (a notebook or the script itself), so it"
+            " travels to the worker processes by value, with every `__main__` global its methods use; under"
+            f" strategy='monarch' {', '.join(globals_used)} cannot be pickled ({type(error).__name__}: {error})."
+            f" Move `{type(obj).__name__}` and what it uses into a module next to the notebook (e.g. `models.py`)"
+            " and import it from there, or create those objects in `setup()` or `configure_model()`, which run"
+            " on the workers."
         ) from error
+    raise TypeError(
+        f"The {role} `{type(obj).__name__}` cannot be pickled, and under strategy='monarch' it travels to"
+        f" the worker processes pickled: {found.describe()} cannot ({type(error).__name__}: {error})."
+        " Keep objects that cannot be pickled (open files, locks, generators, process pools, lambdas in"
+        " closures) out of its attributes, or create them in `setup()` or `configure_model()`, which run"
+        " on the workers."
+    ) from error
+
+
+#: How the path to an object that cannot be pickled starts, by the role of the object it is in.
+_ROOTS = {
+    "LightningModule": "model",
+    "LightningDataModule": "datamodule",
+    "dataloaders": "",
+    "worker_callbacks": "worker_callbacks",
+}
 
 
 def _unpicklable_main_globals(cls: type) -> list[str]:

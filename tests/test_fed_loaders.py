@@ -1,0 +1,166 @@
+"""Iterables that cannot travel to the workers: the controller iterates them for every rank
+(``lightning_monarch.fed``), or the error names the object, where it was handed to the Trainer and
+the fix. What it trains equals ``ddp`` bit for bit in the parity case ``generator_loaders``.
+
+Runs a real Trainer on the warm mesh of 2 CPU workers, or fails before any worker starts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+import traceback
+from typing import Any, Optional
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_monarch import MonarchStrategy, WorkerError
+from tests.compat_models import WindowStream
+from tests.conftest import stray_workers
+from tests.models import ClassificationData, Classifier
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _trainer(strategy: Any = "monarch", **kwargs: Any) -> L.Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return L.Trainer(strategy=strategy, **{**options, **kwargs})
+
+
+def _raised_before_spawning(error: pytest.ExceptionInfo) -> None:
+    frames = [frame.name for frame in traceback.extract_tb(error.tb)]
+    assert "spawn" not in frames and "start_stage" not in frames, frames
+    assert not stray_workers()
+
+
+class CachedData(Dataset):
+    """A dataset that keeps a lock in a cache of its own."""
+
+    def __init__(self) -> None:
+        self.data = ClassificationData(32)
+        self._cache = {"lock": threading.Lock()}
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.data[index]
+
+
+class HoldingDataModule(L.LightningDataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_set = CachedData()
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=8)
+
+
+def test_an_object_deep_in_a_datamodule_is_named_by_its_path() -> None:
+    with pytest.raises(TypeError, match=re.escape("`datamodule.train_set._cache.lock` (a `lock`) cannot")) as error:
+        _trainer().fit(Classifier(), datamodule=HoldingDataModule())
+    assert "create them in `setup()`" in str(error.value)
+    _raised_before_spawning(error)
+
+
+def test_a_dataloader_that_cannot_travel_names_the_object_and_where_it_was_handed_over() -> None:
+    loader = DataLoader(CachedData(), batch_size=8)
+    line = _next_line()
+    with pytest.raises(TypeError) as error:
+        _trainer().fit(Classifier(), train_dataloaders=loader)
+    message = str(error.value)
+    assert f"`train_dataloaders` iterable `DataLoader` (handed to the Trainer at {__file__}:{line + 2})" in message
+    assert "`train_dataloaders.dataset._cache.lock` (a `lock`) cannot" in message
+    assert "`DistributedSampler`" in message and "Make it picklable" in message
+    _raised_before_spawning(error)
+
+
+def _next_line() -> int:
+    """The line of the caller's call of this function."""
+    return traceback.extract_stack(limit=2)[0].lineno or 0
+
+
+@pytest.mark.parametrize(
+    ("strategy", "stage", "match"),
+    [
+        (MonarchStrategy(max_restarts=1), "fit", r"max_restarts=1\)` resumes replaced workers"),
+        (MonarchStrategy(rehearse=True), "fit", r"rehearse=True\)` would iterate it in the rehearsal"),
+        ("monarch", "predict", r"`trainer.predict` would then predict every item on every rank"),
+    ],
+    ids=["max_restarts", "rehearse", "predict"],
+)
+def test_a_stream_is_refused_where_the_workers_would_iterate_it_again(strategy: Any, stage: str, match: str) -> None:
+    arguments = {"train_dataloaders": WindowStream()} if stage == "fit" else {"dataloaders": WindowStream()}
+    with pytest.raises(
+        TypeError, match=r"`WindowStream`.*`(train_)?dataloaders._stream` \(a `generator`: `WindowStream._windows` at"
+    ) as error:
+        getattr(_trainer(strategy), stage)(Classifier(), **arguments)
+    assert re.search(match, str(error.value))
+    _raised_before_spawning(error)
+
+
+class RankDependentDraws(Classifier):
+    """Draws from torch's global generator as many times as its rank, so that the ranks' states part."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        torch.rand(self.global_rank + 1)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(
+    ("seed", "module", "item"),
+    [(None, Classifier, 0), (7, RankDependentDraws, 2)],  # the fetcher draws one item ahead
+    ids=["unseeded", "rank_dependent_draws"],
+)
+def test_ranks_whose_generators_part_get_an_error_instead_of_other_items(
+    seed: Optional[int], module: type, item: int
+) -> None:
+    """Under ``ddp`` each rank's copy would draw its windows from the rank's own state: unseeded,
+    the ranks' states differ from the start; seeded, they part where module code draws as many
+    numbers as its rank. One copy cannot yield both."""
+    if seed is not None:
+        L.seed_everything(seed)
+    with pytest.raises(
+        WorkerError, match=r"draws from the global random number generators \((numpy, )?torch\)"
+    ) as error:
+        _trainer().fit(module(), train_dataloaders=WindowStream())
+    message = str(error.value)
+    assert re.search(rf"rank \d's states differ from rank \d's at item {item} of pass 1", message), message
+    assert "`lightning.seed_everything(seed)`" in message and "numpy.random.default_rng(seed)" in message
+
+
+class FailingStream:
+    """A stream over a generator that fails at its third item."""
+
+    def __init__(self) -> None:
+        self._items = self._generate()
+
+    def _generate(self) -> Any:
+        data = ClassificationData(64)
+        for index in itertools.count():
+            if index == 2:
+                raise ValueError("the stream's source went away")
+            yield data.tensors[0][index * 8 : index * 8 + 8], data.tensors[1][index * 8 : index * 8 + 8]
+
+    def __iter__(self) -> Any:
+        return self._items
+
+
+def test_an_iterable_that_raises_on_the_controller_fails_the_stage_with_its_traceback() -> None:
+    with pytest.raises(WorkerError, match="raised while the controller iterated it for the ranks") as error:
+        _trainer().fit(Classifier(), train_dataloaders=FailingStream())
+    assert "ValueError: the stream's source went away" in str(error.value)
+    assert "in _generate" in str(error.value)
