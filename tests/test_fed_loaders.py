@@ -164,3 +164,18 @@ def test_an_iterable_that_raises_on_the_controller_fails_the_stage_with_its_trac
         _trainer().fit(Classifier(), train_dataloaders=FailingStream())
     assert "ValueError: the stream's source went away" in str(error.value)
     assert "in _generate" in str(error.value)
+
+
+class LockStream:
+    """A stream over a generator whose items hold a lock."""
+
+    def __init__(self) -> None:
+        self._items = iter([(torch.zeros(8, 16), threading.Lock())])
+
+    def __iter__(self) -> Any:
+        return self._items
+
+
+def test_an_item_that_cannot_be_pickled_fails_the_stage_naming_it() -> None:
+    with pytest.raises(WorkerError, match=r"yielded an item that cannot be pickled for the ranks, a `tuple`"):
+        _trainer().fit(Classifier(), train_dataloaders=LockStream())

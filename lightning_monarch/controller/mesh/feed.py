@@ -133,7 +133,15 @@ class _FedIterable:
             after = capture_rng()
             restore_rng(own)
         changed = {name: state for name, state in after.items() if state != states[name]}
-        encoded = None if end or index == START else encode(item)
+        try:
+            encoded = None if end or index == START else encode(item)
+        except Exception as error:
+            answer = FeedAnswer(
+                error=f"{self.description} yielded an item that cannot be pickled for the ranks, a"
+                f" `{type(item).__name__}` ({type(error).__name__}: {error}). Yield tensors, arrays and other"
+                " objects that pickle."
+            )
+            return _Draw(answer, rank, {})
         return _Draw(FeedAnswer(item=encoded, end=end, rng=changed), rank, {name: states[name] for name in changed})
 
 
