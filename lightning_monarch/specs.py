@@ -173,11 +173,30 @@ class StageSpec:
     checkpoint: Optional[Parcel] = None
     #: How the storages of its parcels that rank 0 does not hold travel (set as it is sent).
     shipment: Shipment = Shipment()
+    #: The controller's torch generator as the stage starts (``TorchRngStart``).
+    torch_rng: Optional[TorchRngStart] = None
 
     def parcels(self) -> list[Parcel]:
         """The parcels the stage opens: the payload, and a checkpoint's bytes where one travels."""
         resumed = self.resume.checkpoint if self.resume is not None else None
         return [parcel for parcel in (self.payload, self.checkpoint, resumed) if isinstance(parcel, Parcel)]
+
+
+@dataclass(frozen=True)
+class TorchRngStart:
+    """The controller's torch (CPU) generator at a stage's start, for workers that are to take it.
+
+    Under ``ddp`` every rank runs the user's script, and torch seeds each process alike (its default
+    seed is a constant), so every rank's generator is the script's: a library that seeds torch
+    itself before its ``fit`` (darts's ``random_state``) seeds every rank. A worker takes
+    ``state`` where it has run no stage yet, or where the controller's generator ``changed`` since
+    the last stage ended (the script drew or seeded between stages); otherwise it keeps its own,
+    which the last stage moved on as a rank's (``worker.stage``). ``seed_everything``'s
+    ``reset_seed`` in the workers' setup overrides it, as on ``ddp`` ranks. NumPy's and Python's
+    generators are seeded from entropy in each process, under ``ddp`` too, and do not travel."""
+
+    state: bytes
+    changed: bool
 
 
 @dataclass(frozen=True)

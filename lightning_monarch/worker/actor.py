@@ -131,6 +131,7 @@ class MonarchWorker(Actor):
     def start_stage(self, spec: StageSpec) -> Optional[WorkerFailure]:
         """Gather the stage's storages with the other ranks (``worker.storages``), build this
         rank's Trainer for it and start its loop, which runs ahead (R4)."""
+        first = self._stage is None
         if self._stage is not None:
             self._stage.join(timeout=5.0)
         kept, self._shards = self._shards, None
@@ -143,7 +144,7 @@ class MonarchWorker(Actor):
                 spec.trainer.process_group_backend,
                 writes=spec.fn == "fit",
             )
-            self._stage = build_stage(spec, self._rank, self._storages, kept)
+            self._stage = build_stage(spec, self._rank, self._storages, kept, first)
         except BaseException as error:
             return self._failure(error, "start of the stage")
         self._stage.start()

@@ -55,12 +55,13 @@ _CALLBACKS_MISSING_WARNING = "Be aware that when using `ckpt_path`, callbacks us
 
 
 def build_stage(
-    spec: StageSpec, rank: int, storages: WorkerStorages, kept: Optional[LightningModule] = None
+    spec: StageSpec, rank: int, storages: WorkerStorages, kept: Optional[LightningModule], first: bool
 ) -> StageLoop:
     """Open the stage's objects with the storages gathered for it, build this rank's Trainer and
     return its (not yet started) loop, which holds its storages for the next stage when it ends.
     ``kept``: the sharded module of this worker's last stage, whose shards a stage that says
-    ``from_shards`` loads (``worker.sharding``).
+    ``from_shards`` loads (``worker.sharding``). ``first``: this process runs its first stage (it
+    takes the controller's torch generator, ``specs.TorchRngStart``).
 
     A replacement worker (``spec.resume``) resumes from the snapshot's checkpoint, and every
     worker of an elastic ``fit`` that goes on in a smaller world from the checkpoint sent with the
@@ -79,6 +80,8 @@ def build_stage(
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+    if spec.torch_rng is not None and (first or spec.torch_rng.changed):
+        torch.set_rng_state(torch.frombuffer(bytearray(spec.torch_rng.state), dtype=torch.uint8))
     module, datamodule, loaders, worker_callbacks = open_parcel(spec.payload, storages.take(spec.payload))
 
     loop: StageLoop

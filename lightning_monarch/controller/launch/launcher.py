@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import TrainerFn
@@ -40,7 +41,7 @@ from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
 from lightning_monarch.errors import HostsLostError, WorkerError
 from lightning_monarch.gates import install_hook_gates
 from lightning_monarch.protocol import SnapshotEpochs
-from lightning_monarch.specs import LoaderRef, LoggerIdentity, StageSpec, TrainerConfig
+from lightning_monarch.specs import LoaderRef, LoggerIdentity, StageSpec, TorchRngStart, TrainerConfig
 
 if TYPE_CHECKING:
     from lightning_monarch.strategy import MonarchStrategy
@@ -63,6 +64,24 @@ _LOADER_STAGES = {
 #: Environment variables that make the workers' RNG match DDP ranks' (``seed_everything``); sent
 #: unset too, so that a warm worker does not keep an earlier stage's seed.
 _SEED_ENV = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+class _TorchRngRecord:
+    """Runs on the controller: its torch generator as the last stage ended, to tell at a stage's
+    start whether the script moved it since (``specs.TorchRngStart``)."""
+
+    def __init__(self) -> None:
+        self._after_last_stage: Optional[bytes] = None
+
+    def start(self) -> TorchRngStart:
+        state = bytes(torch.get_rng_state().numpy())
+        return TorchRngStart(state, changed=state != self._after_last_stage)
+
+    def stage_ended(self) -> None:
+        self._after_last_stage = bytes(torch.get_rng_state().numpy())
+
+
+_TORCH_RNG = _TorchRngRecord()
 
 
 class MonarchLauncher(lightning_compat.Launcher):
@@ -108,6 +127,7 @@ class MonarchLauncher(lightning_compat.Launcher):
             return self._launch(function, trainer, arguments, stage, module, datamodule, fed.loaders)
         finally:
             fed.close()
+            _TORCH_RNG.stage_ended()
 
     def _launch(
         self,
@@ -337,6 +357,7 @@ class MonarchLauncher(lightning_compat.Launcher):
             ],
             sys_path=(script_dir,) if script_dir else (),
             env={name: os.environ.get(name) for name in _SEED_ENV},
+            torch_rng=_TORCH_RNG.start(),
             rehearsal=strategy._rehearsing,
             run_ahead=make_plan(
                 trainer.callbacks,  # type: ignore[attr-defined]
