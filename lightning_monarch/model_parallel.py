@@ -129,9 +129,8 @@ class MonarchModelParallelStrategy(MonarchStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``strategy=cls.strategy_name`` (``import lightning_monarch`` calls it)."""
-        strategy_registry.register(cls.strategy_name, cls, description=cls._description, override=True)
+    def registered_names(cls) -> dict[str, dict[str, Any]]:
+        return {cls.strategy_name: {}}
 
     @property
     def mesh_shape(self) -> tuple[int, int]:

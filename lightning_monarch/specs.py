@@ -7,7 +7,7 @@ these messages serve; nothing here talks to a mesh or runs a hook.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from lightning_monarch._compat.torch import tree_map
@@ -175,6 +175,8 @@ class StageSpec:
     shipment: Shipment = Shipment()
     #: The controller's torch generator as the stage starts (``TorchRngStart``).
     torch_rng: Optional[TorchRngStart] = None
+    #: Client libraries' settings that the user's script made (``library_settings``).
+    library_settings: dict[tuple[str, str, str], Any] = field(default_factory=dict)
 
     def parcels(self) -> list[Parcel]:
         """The parcels the stage opens: the payload, and a checkpoint's bytes where one travels."""

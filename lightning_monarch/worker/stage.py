@@ -24,6 +24,7 @@ from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
+from lightning_monarch import library_settings
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.codec import Parcel, open_parcel
 from lightning_monarch.gates import GateCallback, install_hook_gates
@@ -72,6 +73,7 @@ def build_stage(
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=re.escape(_CALLBACKS_MISSING_WARNING))
+    library_settings.apply(spec.library_settings)
     for path in reversed(spec.sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)

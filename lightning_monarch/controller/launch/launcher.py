@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_monarch import library_settings
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch._compat.torch import tree_flatten
 from lightning_monarch.controller.features import preflight
@@ -358,6 +359,7 @@ class MonarchLauncher(lightning_compat.Launcher):
             sys_path=(script_dir,) if script_dir else (),
             env={name: os.environ.get(name) for name in _SEED_ENV},
             torch_rng=_TORCH_RNG.start(),
+            library_settings=library_settings.read(),
             rehearsal=strategy._rehearsing,
             run_ahead=make_plan(
                 trainer.callbacks,  # type: ignore[attr-defined]
