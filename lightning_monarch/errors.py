@@ -34,7 +34,8 @@ def _under_monarch(message: str) -> str:
     if "find_unused_parameters" in message:
         return (
             "\n\nUnder strategy='monarch', the workers' DDP takes the same keyword:"
-            " `Trainer(strategy=MonarchStrategy(find_unused_parameters=True))`."
+            " `Trainer(strategy=MonarchStrategy(find_unused_parameters=True))`, or by name"
+            " `Trainer(strategy='ddp_monarch_find_unused_parameters_true')`."
         )
     return ""
 

@@ -418,6 +418,9 @@ class Entry:
     #: carries rank 0's final metric views in :attr:`views` and, after an unsharded ``fit``, its
     #: final checkpoint state in :attr:`checkpoint`, so that the controller asks for none of them.
     attributes: Optional[bytes] = None
+    #: The end of a stage that ran to its end: rank 0's random number generators (torch's CPU one,
+    #: NumPy's, Python's), which the controller takes, as a ``ddp`` script's process is rank 0.
+    rng: Optional[dict[str, Any]] = None
     #: The end of a stage that ran to its end: the keys of the storages rank 0 holds for the next
     #: stage (``worker.storages``), whose bytes the next stage's payload need not carry.
     held: tuple[StorageKey, ...] = ()

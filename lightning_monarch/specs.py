@@ -153,6 +153,8 @@ class StageSpec:
     fn: str
     payload: Parcel
     ckpt_path: Optional[str]
+    #: ``weights_only`` of the Trainer method, for the workers' loads of ``ckpt_path``.
+    weights_only: Optional[bool]
     fit_loop_state: dict[str, Any]
     trainer: TrainerConfig
     loggers: list[LoggerIdentity]

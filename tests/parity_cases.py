@@ -8,12 +8,15 @@ one recipe both strategies follow; only the ``strategy`` string differs.
 from __future__ import annotations
 
 import os
+import pickle
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
@@ -95,7 +98,9 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "bf16_mixed": lambda out: Case(models.Classifier(), {"precision": "bf16-mixed"}),
     "double": lambda out: Case(models.Classifier(), {"precision": "64-true"}),
     "resume": lambda out: Case(compat.CheckpointHooksClassifier(), {"max_epochs": 1}, stages=("fit", "resume")),
-    "fit_again": lambda out: Case(models.Classifier(), {"max_epochs": 1}, stages=("fit", "fit_more", "test_best")),
+    "fit_again": lambda out: Case(
+        models.Classifier(), {"max_epochs": 1}, stages=("fit", "fit_more", "test_best", "test_default")
+    ),
     "gradient_callback": lambda out: Case(models.Classifier(), worker_callbacks=[compat.GradNormLogger()]),
     "backbone_finetuning": lambda out: Case(
         compat.FinetuneClassifier(),
@@ -390,6 +395,8 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
             trainer.predict(model, datamodule=datamodule, return_predictions=False)
         elif stage == "test_best":
             results["test_best"] = trainer.test(datamodule=datamodule, ckpt_path="best", verbose=False)
+        elif stage == "test_default":  # no model, no ckpt_path: Lightning tests the best checkpoint
+            results["test_default"] = trainer.test(datamodule=datamodule, verbose=False)
         elif stage == "resume":
             L.seed_everything(SEED)
             model = CASES[name](out_dir).model
@@ -411,6 +418,12 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
         current_epoch=trainer.current_epoch,
         best_model_score=_floats({"best": getattr(trainer.checkpoint_callback, "best_model_score", None)}).get("best"),
         callback_records=[callback.record for callback in case.callbacks if hasattr(callback, "record")],
+        # the script's process is rank 0 under ddp: its random number generators after the stages
+        rng={
+            "torch": torch.get_rng_state(),
+            "numpy": pickle.dumps(np.random.get_state()),
+            "python": random.getstate(),
+        },
         csv=(logs / "metrics.csv").read_text() if (logs / "metrics.csv").exists() else None,
         hparams=(logs / "hparams.yaml").read_text() if (logs / "hparams.yaml").exists() else None,
     )

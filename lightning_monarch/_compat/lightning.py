@@ -239,9 +239,9 @@ def end_restart(trainer: Trainer) -> None:
     clear(trainer.fit_loop)
 
 
-def rng_states() -> dict[str, Any]:
-    """This process's torch, CUDA, numpy and Python random states."""
-    return _collect_rng_states()
+def rng_states(include_cuda: bool = True) -> dict[str, Any]:
+    """This process's torch, CUDA (unless not ``include_cuda``), numpy and Python random states."""
+    return _collect_rng_states(include_cuda=include_cuda)
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
@@ -273,9 +273,9 @@ def manual_step_progress(trainer: Trainer) -> Any:
 
 
 def resolve_ckpt_path(trainer: Trainer, fn: TrainerFn, ckpt_path: Any, model_provided: bool) -> Optional[str]:
-    """Turn ``"best"``/``"last"`` into the file the controller's callbacks know. Runs on the controller."""
-    if ckpt_path is None:
-        return None
+    """Turn ``"best"``/``"last"`` into the file the controller's callbacks know, and no ``ckpt_path``
+    into the one Lightning takes then (``"best"`` for an evaluation without a model). Runs on the
+    controller."""
     path = trainer._checkpoint_connector._parse_ckpt_path(
         fn, ckpt_path, model_provided=model_provided, model_connected=trainer.lightning_module is not None
     )

@@ -118,6 +118,7 @@ class EntryRecorder:
         return dataclasses.replace(
             entry,
             attributes=cloudpickle.dumps(self._state.module_attributes()),
+            rng=lightning_compat.rng_states(include_cuda=False),
             checkpoint=self._state.checkpoint_state() if self._final_state else None,
         )
 

@@ -143,6 +143,7 @@ def build_stage(
         module,
         datamodule=datamodule,
         ckpt_path=ckpt_path,
+        weights_only=spec.weights_only,
         **loaders,
         **_STAGE_KWARGS[spec.fn],
     )

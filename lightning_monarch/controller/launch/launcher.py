@@ -339,6 +339,7 @@ class MonarchLauncher(lightning_compat.Launcher):
             fn=stage,
             payload=payload,
             ckpt_path=ckpt_path,
+            weights_only=arguments.get("weights_only"),
             fit_loop_state=trainer.fit_loop.state_dict(),
             trainer=TrainerConfig(
                 accelerator=strategy.worker_accelerator,

@@ -430,6 +430,8 @@ class StageSession:
         assert entry.attributes is not None  # rank 0's end entry of a stage that ran to its end has them
         attributes: ModuleAttributes = cloudpickle.loads(entry.attributes)
         vars(module).update(attributes.values)
+        if entry.rng is not None:
+            lightning_compat.set_rng_states(entry.rng)
         if attributes.dropped:
             reasons = "; ".join(f"`{name}` ({why})" for name, why in sorted(attributes.dropped.items()))
             rank_zero_warn(
