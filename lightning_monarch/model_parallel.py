@@ -18,7 +18,7 @@ import inspect
 import os
 import shutil
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -77,6 +77,7 @@ class MonarchModelParallelStrategy(MonarchStrategy):
     """
 
     strategy_name = "monarch_model_parallel"
+    aliases: ClassVar[dict[str, dict[str, Any]]] = {}
     _description = "Single-controller training on a PyTorch Monarch worker mesh, 2-D: tensor parallel and FSDP2"
 
     def __init__(
@@ -126,11 +127,6 @@ class MonarchModelParallelStrategy(MonarchStrategy):
             "timeout": self.timeout,
             "snapshot_dir": self.snapshot_dir,
         }
-
-    @classmethod
-    @override
-    def registered_names(cls) -> dict[str, dict[str, Any]]:
-        return {cls.strategy_name: {}}
 
     @property
     def mesh_shape(self) -> tuple[int, int]:

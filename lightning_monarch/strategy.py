@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -123,6 +123,12 @@ class MonarchStrategy(ParallelStrategy):
     """
 
     strategy_name = "monarch"
+    #: Its other registered names, with the options each sets: the workers are DDP ranks, and
+    #: ``"ddp_monarch"`` says so to libraries that read ``"ddp"`` in the name (scvi-tools shards its data then).
+    aliases: ClassVar[dict[str, dict[str, Any]]] = {
+        "ddp_monarch": {},
+        "ddp_monarch_find_unused_parameters_true": {"find_unused_parameters": True},
+    }
     _description = "Single-controller training on a PyTorch Monarch worker mesh"
 
     def __init__(
@@ -212,21 +218,9 @@ class MonarchStrategy(ParallelStrategy):
         self._undo_on_exception: Optional[Callable[[], None]] = None
 
     @classmethod
-    def registered_names(cls) -> dict[str, dict[str, Any]]:
-        """The names ``import lightning_monarch`` registers this strategy under, with the options
-        each sets. The workers are DDP ranks, and ``"ddp_monarch"`` says so to libraries that read
-        ``"ddp"`` in the strategy's name to shard their data for DDP ranks (scvi-tools does), with
-        ``"ddp_monarch_find_unused_parameters_true"`` beside it as Lightning's ``ddp`` has its own."""
-        return {
-            cls.strategy_name: {},
-            "ddp_monarch": {},
-            "ddp_monarch_find_unused_parameters_true": {"find_unused_parameters": True},
-        }
-
-    @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``strategy="monarch"`` and its other names (``import lightning_monarch`` calls it)."""
-        for name, options in cls.registered_names().items():
+        """Register ``strategy="monarch"`` and its :attr:`aliases` (``import lightning_monarch`` calls it)."""
+        for name, options in {cls.strategy_name: {}, **cls.aliases}.items():
             strategy_registry.register(name, cls, description=cls._description, override=True, **options)
 
     # ----- configuration ---------------------------------------------------------------------

@@ -108,7 +108,7 @@ def _route_gpu_to_workers(strategy: Any, accelerator: Any) -> Any:
     from lightning_monarch.controller.launch.accelerator import WorkerGPUAccelerator
     from lightning_monarch.strategy import MonarchStrategy
 
-    named = any(strategy in registered.registered_names() for registered in _strategies())
+    named = any(strategy in {registered.strategy_name, *registered.aliases} for registered in _strategies())
     if (
         (named or isinstance(strategy, MonarchStrategy))
         and isinstance(accelerator, str)
