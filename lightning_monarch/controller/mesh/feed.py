@@ -35,10 +35,10 @@ _ACTOR: list[Any] = []
 
 
 def _feed_actor() -> Any:
-    """This process's :class:`LoaderFeed`, spawned on first use."""
+    """This process's :class:`LoaderFeed` (one per Lightning namespace, named after this module), spawned on first use."""
     with _LOCK:
         if not _ACTOR:
-            _ACTOR.append(this_proc().spawn("lightning_monarch_feed", LoaderFeed))
+            _ACTOR.append(this_proc().spawn(__name__.replace(".", "_"), LoaderFeed))
         return _ACTOR[0]
 
 
