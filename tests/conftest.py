@@ -40,6 +40,7 @@ if not os.environ.get(RUN_MARKER, "").endswith(f"/{_XDIST_WORKER}"):
 #: first and both processes end at about the same time instead of one running the elastic tests
 #: alone at the end.
 SLOWEST_FIRST = (
+    "test_clients.py",
     "test_elastic.py",
     "test_examples.py",
     "test_pytorch_lightning.py",

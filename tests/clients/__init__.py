@@ -1,0 +1,66 @@
+"""The real-client tier: Lightning-based libraries of several fields, each trained as its own docs
+show for several devices, under Lightning's ``ddp`` and under ``monarch``.
+
+Each module here has ``train(strategy, out_dir)``: ``strategy`` is ``"ddp"`` or ``"monarch"``, which
+the module turns into the names the library's users pass (``"ddp_find_unused_parameters_true"``
+and its counterpart, say). It trains on tiny data made in the module (nothing is downloaded), with
+every file under ``out_dir``, and returns on the global-zero process what ``tests/test_clients.py``
+compares: the final weights, ``callback_metrics``, the checkpoints' contents and what else the
+library hands its user; ``None`` on the other ``ddp`` ranks.
+
+Imported by the test process, by the Monarch workers (which unpickle these modules' classes) and
+by Lightning's ``ddp`` ranks through ``tests/clients/reference.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: The tier: module, library, field, the Lightning namespace the library uses.
+CLIENTS: dict[str, tuple[str, str, str]] = {
+    "gluonts": ("GluonTS", "time series", "lightning.pytorch"),
+    "pytorch_tabular": ("pytorch-tabular", "tabular data", "pytorch_lightning"),
+    "chemprop": ("chemprop", "molecules", "lightning.pytorch"),
+    "scvi": ("scvi-tools", "single-cell biology", "lightning.pytorch"),
+    "pyg": ("PyTorch Geometric", "graphs", "lightning.pytorch"),
+    "darts": ("darts", "forecasting", "pytorch_lightning"),
+}
+
+
+def checkpoints(out_dir: Path) -> dict[str, Any]:
+    """Every checkpoint file under ``out_dir``, by its path there, as the parity tests compare them,
+    with the modules inside (a library's loss, metrics or output transform in its hyperparameters) as
+    their class and state (:func:`comparable`)."""
+    from tests.parity_cases import comparable_checkpoint
+
+    return {
+        str(path.relative_to(out_dir)): comparable(comparable_checkpoint(path))
+        for path in sorted(out_dir.rglob("*.ckpt"))
+    }
+
+
+def comparable(value: Any) -> Any:
+    """``value`` as ``tests.test_parity.assert_same`` compares it: a module (which compares by
+    identity) as its class and state, in dicts, lists and tuples too."""
+    if isinstance(value, torch.nn.Module):
+        return {"class": type(value).__qualname__, "state": comparable(value.state_dict())}
+    if isinstance(value, dict):
+        return {key: comparable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [comparable(item) for item in value]
+    return value
+
+
+def results(trainer: Any, module: torch.nn.Module, out_dir: Path, **extras: Any) -> dict[str, Any]:
+    """What a client's run returns on the global-zero process: ``module``'s weights, the Trainer's
+    ``callback_metrics`` and step, the checkpoints under ``out_dir``, and the library's ``extras``."""
+    return {
+        "weights": {key: value.detach().cpu().clone() for key, value in module.state_dict().items()},
+        "callback_metrics": {key: float(value) for key, value in trainer.callback_metrics.items()},
+        "global_step": trainer.global_step,
+        "checkpoints": checkpoints(out_dir),
+        **extras,
+    }
