@@ -15,6 +15,7 @@ the endpoint thread hands over grants, releases and out-of-band requests, and ta
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import threading
 import time
@@ -147,8 +148,15 @@ class StageLoop:
     # ----- endpoint thread -------------------------------------------------------------------
 
     def start(self) -> None:
-        """Runs on the endpoint thread: start the stage's loop thread."""
-        self._thread = threading.Thread(target=self._main, name="lightning-monarch-loop", daemon=True)
+        """Runs on the endpoint thread: start the stage's loop thread, in a copy of the endpoint's
+        context, so that what the stage sends through Monarch (a fed loader asking the controller
+        for its items, ``fed.FedIterable``) goes out as this worker's actor. Without it, Monarch
+        would start a second client in the worker process for the loop thread, on a transport of
+        its own (a TCP one cannot bind where the host's name resolves only to loopback)."""
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._main,), name="lightning-monarch-loop", daemon=True
+        )
         self._thread.start()
 
     def fetch(self) -> Union[bytes, RankStatus]:
