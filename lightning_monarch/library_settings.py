@@ -1,7 +1,7 @@
 """Process-wide settings of client libraries that a user's script sets, carried to the workers.
 
 Both sides: the controller reads them as a stage starts (``controller.launch.launcher``), and each
-worker sets them before it opens the stage's objects (``worker.stage``). Under ``ddp`` every rank
+worker sets them once it has opened the stage's objects (``worker.stage``). Under ``ddp`` every rank
 runs the user's script, so a setting the script makes is made on every rank, and the library's
 code on the ranks reads it. The workers never run the script: each setting listed here that the
 library reads while it trains travels with the stage instead. ``scvi.settings.seed`` seeds the
@@ -11,7 +11,6 @@ each worker would split the data at random.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Any
 
@@ -32,6 +31,9 @@ def read() -> Settings:
 
 
 def apply(settings: Settings) -> None:
-    """Runs in each worker: make ``settings`` as the user's script made them on the controller."""
+    """Runs in each worker, once the stage's objects are open: make ``settings`` of the libraries
+    they imported as the user's script made them on the controller. A library the stage does not
+    use is not imported for its settings."""
     for (module, name, attribute), value in settings.items():
-        setattr(getattr(importlib.import_module(module), name), attribute, value)
+        if module in sys.modules:
+            setattr(getattr(sys.modules[module], name), attribute, value)

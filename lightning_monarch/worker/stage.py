@@ -73,7 +73,6 @@ def build_stage(
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=re.escape(_CALLBACKS_MISSING_WARNING))
-    library_settings.apply(spec.library_settings)
     for path in reversed(spec.sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)
@@ -82,9 +81,10 @@ def build_stage(
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+    module, datamodule, loaders, worker_callbacks = open_parcel(spec.payload, storages.take(spec.payload))
+    library_settings.apply(spec.library_settings)  # scvi's seed setter seeds torch: before the next line
     if spec.torch_rng is not None and (first or spec.torch_rng.changed):
         torch.set_rng_state(torch.frombuffer(bytearray(spec.torch_rng.state), dtype=torch.uint8))
-    module, datamodule, loaders, worker_callbacks = open_parcel(spec.payload, storages.take(spec.payload))
 
     loop: StageLoop
 
