@@ -211,6 +211,7 @@ def test_two_gpu_workers_get_past_stage_start() -> None:
         fn="fit",
         payload=pack((Classifier(), None, {}, [OneVisibleGPU()])),
         ckpt_path=None,
+        weights_only=None,
         fit_loop_state=L.Trainer(logger=False).fit_loop.state_dict(),
         trainer=TrainerConfig(
             accelerator="cuda",

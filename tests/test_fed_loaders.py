@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_monarch import MonarchStrategy, WorkerError
+from lightning_monarch import MonarchStrategy, WorkerError, stop_meshes
 from tests.compat_models import WindowStream
 from tests.models import ClassificationData, Classifier
 from tests.test_bad_input import _assert_raised_before_spawning, _trainer
@@ -109,9 +109,13 @@ def test_ranks_whose_generators_part_get_an_error_instead_of_other_items(
     seed: Optional[int], module: type, item: int
 ) -> None:
     """Under ``ddp`` each rank's copy would draw its windows from the rank's own state: unseeded,
-    the ranks' states differ from the start; seeded, they part where module code draws as many
-    numbers as its rank. One copy cannot yield both."""
-    if seed is not None:
+    the ranks' states differ from the start (NumPy seeds each new process from entropy: on new
+    workers, since a warm mesh's were reseeded alike by an earlier stage's ``seed_everything``);
+    seeded, they part where module code draws as many numbers as its rank. One copy cannot yield
+    both."""
+    if seed is None:
+        stop_meshes()
+    else:
         L.seed_everything(seed)
     with pytest.raises(
         WorkerError, match=r"draws from the global random number generators \((numpy|torch|numpy, torch)\)"
@@ -159,3 +163,29 @@ class LockStream:
 def test_an_item_that_cannot_be_pickled_fails_the_stage_naming_it() -> None:
     with pytest.raises(WorkerError, match=r"yielded an item that cannot be pickled for the ranks, a `tuple`"):
         _trainer().fit(Classifier(), train_dataloaders=LockStream())
+
+
+@pytest.fixture
+def tcp_by_default() -> Any:
+    """Monarch's default transport switched to TCP once this process's client runs on another (as
+    a ``SlurmJob`` switches it), for new workers; switched back after the test, with their mesh stopped."""
+    from monarch._rust_bindings.monarch_hyperactor.config import configure, get_global_config
+    from monarch.actor import context
+
+    context()  # this process's client, on the transport it has
+    transport = get_global_config()["default_transport"]
+    stop_meshes()
+    configure(default_transport="tcp")
+    yield
+    stop_meshes()
+    configure(default_transport=transport)
+
+
+def test_workers_ask_for_fed_items_as_their_actor(tcp_by_default: None) -> None:
+    """The loop thread asks the controller in its actor's context (``worker.loop``): without it,
+    Monarch starts a second client in the worker for that thread, which panics where TCP cannot
+    bind to this host's name (it resolves only to loopback), as it did in CI after a ``SlurmJob``."""
+    L.seed_everything(0)
+    trainer = _trainer()
+    trainer.fit(Classifier(), train_dataloaders=WindowStream())
+    assert trainer.global_step == 6
