@@ -106,14 +106,15 @@ class RankDependentDraws(Classifier):
     ids=["unseeded", "rank_dependent_draws"],
 )
 def test_ranks_whose_generators_part_get_an_error_instead_of_other_items(
-    seed: Optional[int], module: type, item: int
+    seed: Optional[int], module: type, item: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Under ``ddp`` each rank's copy would draw its windows from the rank's own state: unseeded,
     the ranks' states differ from the start (NumPy seeds each new process from entropy: on new
     workers, since a warm mesh's were reseeded alike by an earlier stage's ``seed_everything``);
     seeded, they part where module code draws as many numbers as its rank. One copy cannot yield
     both."""
-    if seed is None:
+    if seed is None:  # as a script that never seeds: no seed of an earlier test's `seed_everything` left
+        monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
         stop_meshes()
     else:
         L.seed_everything(seed)
