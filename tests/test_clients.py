@@ -1,5 +1,5 @@
 """The real-client tier: each library of ``tests.clients.CLIENTS`` trains as its docs show under
-Lightning's ``ddp`` (a subprocess of 2 CPU ranks) and under ``monarch`` (the warm mesh of this
+Lightning's ``ddp`` (one subprocess of 2 CPU ranks for the whole tier) and under ``monarch`` (the warm mesh of this
 process), and the two give the same weights, metrics, checkpoints and results, bit for bit.
 
 The libraries come with the ``clients`` extra, which the README's test command installs.
@@ -20,11 +20,17 @@ from tests.test_parity import assert_same
 pytestmark = pytest.mark.timeout(600)
 
 
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every library of the tier under ``ddp``, in one launch of 2 ranks (``tests.clients.reference``)."""
+    out_dir = tmp_path_factory.mktemp("clients-ddp")
+    run_reference("tests.clients.reference", out_dir, *CLIENTS, timeout=900)
+    return out_dir
+
+
 @pytest.mark.parametrize("name", list(CLIENTS))
-def test_a_client_library_trains_as_under_ddp(name: str, tmp_path: Path) -> None:
-    reference_dir = tmp_path / "ddp"
-    run_reference("tests.clients.reference", name, reference_dir)
-    reference = torch.load(reference_dir / "results.pt", weights_only=False)
+def test_a_client_library_trains_as_under_ddp(name: str, ddp_results: Path, tmp_path: Path) -> None:
+    reference = torch.load(ddp_results / name / "results.pt", weights_only=False)
     ours = importlib.import_module(f"tests.clients.{name}").train("monarch", tmp_path / "monarch")
     assert ours is not None
     assert_same(ours, reference, name)
