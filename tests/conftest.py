@@ -40,20 +40,21 @@ if not os.environ.get(RUN_MARKER, "").endswith(f"/{_XDIST_WORKER}"):
 #: first and both processes end at about the same time instead of one running the elastic tests
 #: alone at the end.
 SLOWEST_FIRST = (
-    "test_clients.py",
     "test_elastic.py",
-    "test_examples.py",
     "test_pytorch_lightning.py",
     "test_hosts.py",
-    "test_notebook.py",
-    "test_model_parallel.py",
-    "test_command.py",
-    "test_failures.py",
+    "test_examples.py",
     "test_parity.py",
-    "test_recovery.py",
+    "test_model_parallel.py",
+    "test_notebook.py",
+    "test_failures.py",
+    "test_command.py",
     "test_warm_mesh.py",
-    "test_fsdp.py",
+    "test_clients.py",
+    "test_recovery.py",
     "test_devices.py",
+    "test_fsdp.py",
+    "test_fed_loaders.py",
 )
 
 
