@@ -52,7 +52,7 @@ from lightning_monarch.benchmark.models import SIZES
 from lightning_monarch.controller.features import preflight
 from lightning_monarch.controller.features.rehearsal import DEFAULT_STEPS
 from lightning_monarch.devices import VISIBILITY_VARS, visibility
-from lightning_monarch.specs import versions, worker_backend
+from lightning_monarch.specs import versions
 from lightning_monarch.strategy import MonarchStrategy
 
 PROG = "lightning-monarch"
@@ -108,8 +108,7 @@ def describe(
         except (TypeError, ValueError) as error:  # how Lightning rejects some `devices` values
             raise UsageError(f"`{call}`: {error}") from error
         key = strategy._mesh_key()
-    # The workers' own DDPStrategy picks Lightning's default backend for their device.
-    backend = worker_backend(key.accelerator, key.process_group_backend)
+    backend = key.process_group_backend
     pins = [dict([pin]) for pin in key.pins] if key.pins is not None and num_nodes == 1 else None
     return {
         "versions": {

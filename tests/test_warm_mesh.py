@@ -39,10 +39,11 @@ def _trainer(strategy: Any = "monarch", devices: int = 2) -> L.Trainer:
 
 
 def test_stages_and_trainers_share_one_mesh() -> None:
+    """Lightning's default backend on CPUs is ``gloo``: a Trainer that names it runs on the same mesh."""
     _trainer().fit(Classifier())
     pids = MESHES.worker_pids()
     assert len(pids) == 2 and sorted(pids) == sorted(p.pid for p in worker_processes())
-    trainer = _trainer()
+    trainer = _trainer(MonarchStrategy(process_group_backend="gloo"))
     trainer.fit(Classifier())
     trainer.validate(Classifier(), verbose=False)
     trainer.predict(Classifier())

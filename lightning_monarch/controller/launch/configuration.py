@@ -21,6 +21,7 @@ from lightning_monarch.controller.mesh.hosts import host_mesh
 from lightning_monarch.controller.mesh.output import WorkerOutput
 from lightning_monarch.controller.mesh.pool import MeshKey
 from lightning_monarch.devices import host_gpu_count, pin
+from lightning_monarch.specs import worker_backend
 
 if TYPE_CHECKING:
     from lightning_monarch.strategy import MonarchStrategy
@@ -64,7 +65,7 @@ def mesh_key(strategy: MonarchStrategy) -> MeshKey:
     gpu_indices = tuple(device.index or 0 for device in devices) if strategy.worker_accelerator == "cuda" else None
     return MeshKey(
         strategy.worker_accelerator,
-        strategy.process_group_backend,
+        worker_backend(strategy.worker_accelerator, strategy.process_group_backend),
         hosts,
         len(devices),
         gpu_indices,

@@ -37,7 +37,9 @@ class MeshKey:
     """
 
     accelerator: str
-    process_group_backend: Optional[str]
+    #: The backend the workers' process group uses: the one chosen, else Lightning's default for
+    #: the device (``specs.worker_backend``), so that ``gloo`` by name and by default share a mesh.
+    process_group_backend: str
     #: The ``HostMesh`` the workers run on; ``None`` for this host. Compared by identity
     #: (:attr:`host_identity`): Monarch's own equality cannot compare a mesh with ``None``.
     hosts: Optional[HostMesh] = field(compare=False)
