@@ -12,7 +12,19 @@ from __future__ import annotations
 import json
 from types import ModuleType
 
-from benchmarks import controller_cpu, death_report, elastic, fed, plots, recovery, rehearsal, run, sharded, stages, suite
+from benchmarks import (
+    controller_cpu,
+    death_report,
+    elastic,
+    fed,
+    plots,
+    recovery,
+    rehearsal,
+    run,
+    sharded,
+    stages,
+    suite,
+)
 from benchmarks.run import RESULTS
 
 #: Each results file's name, and the benchmark that wrote it (``run`` writes ``latest`` and, with
