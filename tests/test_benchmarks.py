@@ -17,7 +17,18 @@ from benchmarks.run import RESULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The results committed in ``benchmarks/results/``, each drawn on a page of the documentation.
-COMMITTED = ("latest", "stages", "controller_cpu", "sharded", "recovery", "elastic", "death_report", "rehearsal", "fed")
+COMMITTED = (
+    "latest",
+    "stages",
+    "controller_cpu",
+    "sharded",
+    "recovery",
+    "elastic",
+    "death_report",
+    "rehearsal",
+    "fed",
+    "suite",
+)
 #: Those with a ``ddp`` (or Lightning) reference to draw beside monarch.
 WITH_REFERENCE = ("latest", "stages", "sharded", "recovery", "elastic", "fed")
 #: Words of the value axis's label that name its unit.
