@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import lightning_monarch  # noqa: F401 - registers strategy="monarch"
+from lightning_monarch.controller.mesh.forkserver import is_worker_process
 from lightning_monarch.controller.mesh.pool import MESHES, other_namespace_pool
 from lightning_monarch.devices import VISIBILITY_VARS
 from tests.parity_cases import environment_for_ddp
@@ -70,7 +71,7 @@ def worker_processes() -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter():
         try:
-            if process.environ().get(RUN_MARKER) == marker and "bootstrap_main" in " ".join(process.cmdline()):
+            if process.environ().get(RUN_MARKER) == marker and is_worker_process(process):
                 found.append(process)
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):  # ended, or not ours to read
             continue

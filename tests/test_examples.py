@@ -24,6 +24,8 @@ import psutil
 import pytest
 import torch
 
+from lightning_monarch.controller.mesh.forkserver import is_worker_process
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Environment variable that marks the worker processes of one example run.
@@ -77,12 +79,9 @@ def _stop_workers_left_by(run_id: str, grace: float = 10.0) -> list[int]:
 
 def _workers_of(run_id: str) -> list[psutil.Process]:
     workers = []
-    for process in psutil.process_iter(["cmdline"]):
+    for process in psutil.process_iter():
         try:
-            if (
-                "bootstrap_main" in " ".join(process.info["cmdline"] or ())
-                and process.environ().get(RUN_MARKER) == run_id
-            ):
+            if is_worker_process(process) and process.environ().get(RUN_MARKER) == run_id:
                 workers.append(process)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue

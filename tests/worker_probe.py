@@ -1,5 +1,6 @@
 """An actor that reports on the worker process it is spawned in: what it imported and installed
-(``test_layout.py``), and what its garbage collector walks (``test_warm_mesh.py``).
+(``test_layout.py``), what its garbage collector walks (``test_warm_mesh.py``), and how it started
+(``test_forkserver.py``).
 
 It imports nothing of lightning_monarch but what every worker has (the package root and its
 namespace finder, through ``tests/__init__``), so that what it finds is what the worker's own
@@ -9,6 +10,7 @@ start-up and stages imported.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from typing import Any
 
@@ -53,3 +55,20 @@ class WorkerProbe(Actor):
     def garbage_collector(self) -> dict[str, int]:
         """How many objects the cyclic garbage collector leaves out (``gc.freeze``) and walks."""
         return {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())}
+
+    @endpoint
+    def start(self) -> dict[str, Any]:
+        """What a process takes from how it was started, and a draw from NumPy's global generator."""
+        import numpy
+
+        main = sys.modules["__main__"]
+        return {
+            "parent": os.getppid(),
+            "environment": dict(os.environ),
+            "path": list(sys.path),
+            "argv": list(sys.argv),
+            "directory": os.getcwd(),
+            "main": main.__spec__.name if main.__spec__ is not None else None,
+            "numpy_draw": int(numpy.random.randint(2**31)),
+            "cpu_seconds": sum(os.times()[:2]),
+        }

@@ -13,6 +13,7 @@ import re
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
+    from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
     from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
     from monarch.actor import ProcMesh
     from monarch.job import SlurmJob
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKED_WITH",
     "SupervisionError",
+    "bootstrap_command",
     "failed_rank",
     "flush_forwarded_output",
     "launched_by_monarch",
@@ -54,6 +56,15 @@ def __getattr__(name: str) -> Any:
 
         return SupervisionError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def bootstrap_command(program: str, args: list[str]) -> BootstrapCommand:
+    """A proc bootstrap command for ``HostMesh.spawn_procs(bootstrap_command=...)``: ``program``
+    with ``args``, in the environment the host gives its procs (the class of Monarch's own
+    ``default_bootstrap_cmd()``, which the public API names only in type hints)."""
+    from monarch.actor import default_bootstrap_cmd
+
+    return type(default_bootstrap_cmd())(program, None, args, {})
 
 
 def job_meshes(job: Any) -> Optional[dict[str, Any]]:

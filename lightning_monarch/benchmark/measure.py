@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from lightning_monarch import MonarchStrategy, observe_only
 from lightning_monarch.benchmark.models import SIZES, BenchModel
+from lightning_monarch.controller.mesh.forkserver import is_worker_process
 
 WARMUP_STEPS = 5
 
@@ -73,7 +74,7 @@ def step_seconds(batch_ends: list[float]) -> float:
 def worker_peak_rss_mib() -> list[float]:
     """The peak RSS of every Monarch worker process under this one, or this process's own (DDP's
     rank 0, whose other ranks measure alike)."""
-    workers = [p for p in psutil.Process().children(recursive=True) if "bootstrap_main" in " ".join(p.cmdline())]
+    workers = [p for p in psutil.Process().children(recursive=True) if is_worker_process(p)]
     return [peak_rss_mib(p.pid) for p in workers] or [peak_rss_mib()]
 
 

@@ -7,12 +7,10 @@ device and turns worker failures into :class:`~lightning_monarch.errors.WorkerEr
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import pickle
 import shutil
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from monarch.actor import HostMesh, ProcMesh, this_host
 from lightning_monarch._compat.monarch import SupervisionError
 from lightning_monarch.codec import Shipment, StorageKey, decode
 from lightning_monarch.controller.mesh import deaths, storages
+from lightning_monarch.controller.mesh.forkserver import ProcessStart
 from lightning_monarch.controller.mesh.hosts import host_count
 from lightning_monarch.controller.mesh.output import WorkerOutput
 from lightning_monarch.controller.mesh.storages import KeptShards
@@ -33,7 +32,6 @@ from lightning_monarch.errors import MeshFailureError, WorkerError
 from lightning_monarch.protocol import Entry, Grant, RankStatus
 from lightning_monarch.reports import PredictionShard, RankValue, WorkerFailure, WorkerReport
 from lightning_monarch.specs import PreflightSpec, StageSpec
-from lightning_monarch.worker.process import LOCAL_DIMENSION, start_worker_process
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +86,15 @@ class WorkerMesh:
         gpu_indices: Optional[tuple[int, ...]] = None,
         output: Optional[WorkerOutput] = None,
         hold_warnings: bool = True,
+        local: bool = False,
     ) -> None:
-        """A mesh not yet started; :meth:`spawn` starts one."""
+        """A mesh not yet started; :meth:`spawn` starts one. ``local``: ``hosts`` is this host,
+        whose CPU workers are forked from a fork server (``controller.mesh.forkserver``)."""
         self.num_workers = per_host * host_count(hosts)
         self._hosts = hosts
         self._per_host = per_host
         self._output = output
-        self._bootstrap = functools.partial(
-            start_worker_process, f"lightning_monarch-{uuid.uuid4().hex[:12]}", per_host, gpu_indices, hold_warnings
-        )
+        self._process_start = ProcessStart.of(per_host, gpu_indices, hold_warnings, local)
         #: The worker processes, their actors and ranks; ``None`` once stopped.
         self._world: Optional[WorkerWorld] = None
         self._watch = ProcessWatch([])
@@ -131,7 +129,7 @@ class WorkerMesh:
         torch elastic environment; ``output`` forwards what workers on other hosts print, and with
         ``hold_warnings`` the workers hold their Python warnings for the controller to show once
         (``worker.held_warnings``)."""
-        mesh = cls(hosts if hosts is not None else this_host(), per_host, gpu_indices, output, hold_warnings)
+        mesh = cls(this_host() if hosts is None else hosts, per_host, gpu_indices, output, hold_warnings, hosts is None)
         mesh._start()
         return mesh
 
@@ -154,7 +152,7 @@ class WorkerMesh:
             raise
 
     def _spawn_procs(self, hosts: HostMesh) -> ProcMesh:
-        procs = hosts.spawn_procs(per_host={LOCAL_DIMENSION: self._per_host}, bootstrap=self._bootstrap)
+        procs = self._process_start.spawn(hosts)
         if self._output is not None:
             self._output.stream(procs)
         return procs

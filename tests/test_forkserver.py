@@ -1,0 +1,133 @@
+"""CPU workers on the controller's host are forked from a fork server that imported torch and
+Lightning once (``controller/mesh/forkserver.py``, ``worker/forkserver.py``), and start as a worker
+that Monarch's own bootstrap started would: the same environment, path, arguments, directory and
+main module, and NumPy generators of their own. Real meshes on this host, side by side: one forked,
+one started by Monarch's bootstrap (a ``HostMesh`` given explicitly, as for other hosts).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psutil
+import pytest
+from monarch.actor import this_host
+
+from lightning_monarch.controller.mesh import forkserver
+from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
+from lightning_monarch.worker.forkserver import NOT_READ_AT_IMPORT
+from tests.worker_probe import WorkerProbe
+
+#: Variables that differ from mesh to mesh: the run ID its start-up sets (``worker.process``) and
+#: the port of its process group (``controller.mesh.world``).
+PER_MESH_VARIABLES = frozenset({"TORCHELASTIC_RUN_ID", "MASTER_PORT"})
+
+
+def _starts(mesh: WorkerMesh) -> list[dict[str, Any]]:
+    """Each worker's :meth:`WorkerProbe.start`, in no particular order."""
+    assert mesh._world is not None
+    answers = []
+    for part in mesh._world.parts:
+        probe = part.procs.spawn("worker_probe", WorkerProbe)
+        answers.extend(probe.start.call().get(timeout=60).values())
+    return answers
+
+
+def _comparable(start: dict[str, Any]) -> dict[str, Any]:
+    environment = {
+        name: value
+        for name, value in start["environment"].items()
+        if name not in NOT_READ_AT_IMPORT | PER_MESH_VARIABLES
+    }
+    return {"environment": environment, **{key: start[key] for key in ("path", "argv", "directory", "main")}}
+
+
+def _spawned(**kwargs: Any) -> WorkerMesh:
+    return WorkerMesh.spawn(2, **kwargs)
+
+
+def test_cpu_workers_are_forked_and_start_as_monarchs_own_would() -> None:
+    forked = _spawned()
+    try:
+        forked_starts = _starts(forked)
+    finally:
+        forked.stop()
+    fresh = _spawned(hosts=this_host())
+    try:
+        fresh_starts = _starts(fresh)
+    finally:
+        fresh.stop()
+    servers = forkserver.fork_server_pids()
+    assert [start["parent"] for start in forked_starts] == [servers[0]] * 2, "the workers were not forked"
+    assert [start["parent"] for start in fresh_starts] == [os.getpid()] * 2
+    assert [_comparable(start) for start in forked_starts] == [_comparable(start) for start in fresh_starts]
+    assert forked_starts[0]["numpy_draw"] != forked_starts[1]["numpy_draw"], "the forked workers share a generator"
+    forked_cpu = max(start["cpu_seconds"] for start in forked_starts)
+    fresh_cpu = min(start["cpu_seconds"] for start in fresh_starts)
+    print(f"CPU seconds of a worker by the time it answers: forked {forked_cpu:.2f}, started afresh {fresh_cpu:.2f}")
+    assert forked_cpu < fresh_cpu / 2
+
+
+def test_a_changed_environment_gets_a_new_fork_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    _spawned().stop()
+    before = forkserver.fork_server_pids()
+    monkeypatch.setenv("LIGHTNING_MONARCH_TEST_VARIABLE", "seen")
+    mesh = _spawned()
+    try:
+        starts = _starts(mesh)
+    finally:
+        mesh.stop()
+    after = forkserver.fork_server_pids()
+    assert after != before and not psutil.pid_exists(before[0])
+    assert [start["parent"] for start in starts] == after * 2
+    assert [start["environment"]["LIGHTNING_MONARCH_TEST_VARIABLE"] for start in starts] == ["seen"] * 2
+
+
+def _start_processes() -> list[psutil.Process]:
+    """This process's ``start`` processes: the processes Monarch launched for forked workers."""
+    return [
+        process
+        for process in psutil.Process().children()
+        if forkserver.SCRIPT in process.cmdline() and "start" in process.cmdline()
+    ]
+
+
+def test_a_killed_start_process_takes_its_worker_with_it() -> None:
+    mesh = _spawned()
+    try:
+        workers = [psutil.Process(pid) for pid in mesh.pids]
+        starts = _start_processes()
+        assert len(starts) == 2
+        for process in starts:
+            process.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        gone, alive = psutil.wait_procs(workers, timeout=5)
+        print(f"the forked workers ended {time.monotonic() - killed_at:.2f} s after their start processes")
+        assert not alive
+    finally:
+        mesh.stop(kill=True)
+
+
+def test_a_worker_that_fails_to_start_ends_its_start_process_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Monarch's own hook for a failing bootstrap: the forked worker's error, raised under the fork
+    server's frames, reaches the start process's own standard error, and it exits with the
+    worker's code."""
+    monkeypatch.setenv("MONARCH_ERROR_DURING_BOOTSTRAP_FOR_TESTING", "1")
+    server = forkserver.ForkServerProcess("lightning.pytorch")
+    try:
+        started = subprocess.run(
+            [sys.executable, "-S", forkserver.SCRIPT, "start", server.address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        server.stop()
+    assert started.returncode == 1
+    assert "Error during bootstrap for testing" in started.stderr
+    assert "in become_worker" in started.stderr, "the worker was not forked"
