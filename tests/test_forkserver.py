@@ -88,29 +88,49 @@ def test_a_changed_environment_gets_a_new_fork_server(monkeypatch: pytest.Monkey
     assert [start["environment"]["LIGHTNING_MONARCH_TEST_VARIABLE"] for start in starts] == ["seen"] * 2
 
 
-def _start_processes() -> list[psutil.Process]:
+def _start_processes() -> set[psutil.Process]:
     """This process's ``start`` processes: the processes Monarch launched for forked workers."""
-    return [
+    return {
         process
         for process in psutil.Process().children()
         if forkserver.SCRIPT in process.cmdline() and "start" in process.cmdline()
-    ]
+    }
+
+
+def _spawned_with_starts() -> tuple[WorkerMesh, list[psutil.Process], list[psutil.Process]]:
+    """A new forked mesh, its workers and its start processes (a warm mesh of an earlier test
+    has start processes of its own)."""
+    before = _start_processes()
+    mesh = _spawned()
+    starts = sorted(_start_processes() - before, key=lambda process: process.pid)
+    assert len(starts) == 2
+    return mesh, [psutil.Process(pid) for pid in mesh.pids], starts
 
 
 def test_a_killed_start_process_takes_its_worker_with_it() -> None:
-    mesh = _spawned()
+    mesh, workers, starts = _spawned_with_starts()
     try:
-        workers = [psutil.Process(pid) for pid in mesh.pids]
-        starts = _start_processes()
-        assert len(starts) == 2
         for process in starts:
             process.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
-        gone, alive = psutil.wait_procs(workers, timeout=5)
+        _, alive = psutil.wait_procs(workers, timeout=5)
         print(f"the forked workers ended {time.monotonic() - killed_at:.2f} s after their start processes")
         assert not alive
     finally:
         mesh.stop(kill=True)
+
+
+def test_a_killed_worker_ends_its_start_process_by_the_same_signal(capfd: pytest.CaptureFixture[str]) -> None:
+    """Monarch sees the start process end as the worker did: killed by SIGKILL, silently."""
+    mesh, workers, starts = _spawned_with_starts()
+    try:
+        for process in workers:
+            process.send_signal(signal.SIGKILL)
+        _, alive = psutil.wait_procs(starts, timeout=5)
+        assert not alive
+    finally:
+        mesh.stop(kill=True)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_a_worker_that_fails_to_start_ends_its_start_process_alike(monkeypatch: pytest.MonkeyPatch) -> None:

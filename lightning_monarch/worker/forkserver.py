@@ -299,9 +299,10 @@ def start(address: str) -> None:
     status = ended["status"]
     if os.WIFSIGNALED(status):
         killed_by = os.WTERMSIG(status)
-        signal.signal(killed_by, signal.SIG_DFL)
+        if killed_by != signal.SIGKILL:  # the one signal whose handler cannot be set (nor need be)
+            signal.signal(killed_by, signal.SIG_DFL)
         os.kill(os.getpid(), killed_by)
-    sys.exit(os.waitstatus_to_exitcode(status))
+    sys.exit(os.waitstatus_to_exitcode(status))  # (-N after a signal that did not end this process)
 
 
 def main() -> None:
