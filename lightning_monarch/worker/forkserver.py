@@ -158,9 +158,10 @@ class ForkServer:
         assert request is not None
         sys.stdout.flush()
         sys.stderr.flush()
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
-            self._become_child(fds)
+            self._become_child(server, fds)
             return request
         for fd in fds:
             os.close(fd)
@@ -184,9 +185,9 @@ class ForkServer:
             return "the working directory changed since the fork server imported its modules"
         return None
 
-    def _become_child(self, fds: list[int]) -> None:
-        """In the forked child: nothing of the server's, the requester's streams."""
-        die_with_parent(os.getppid())
+    def _become_child(self, server: int, fds: list[int]) -> None:
+        """In the forked child of ``server``: nothing of the server's, the requester's streams."""
+        die_with_parent(server)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         self._selector.close()
@@ -211,20 +212,13 @@ class ForkServer:
             connection = self._children.pop(pid, None)
             if connection is None:
                 continue
-            if self._registered(connection):
+            if connection in self._selector.get_map():
                 self._selector.unregister(connection)
             try:
                 _send(connection, {"status": status})
             except OSError:  # its start process ended first
                 pass
             connection.close()
-
-    def _registered(self, connection: socket.socket) -> bool:
-        try:
-            self._selector.get_key(connection)
-        except KeyError:
-            return False
-        return True
 
 
 def _kill(pid: int) -> None:

@@ -59,19 +59,16 @@ class ForkServerProcess:
         #: The name of its abstract Unix socket.
         self.address = address = f"lightning_monarch_forkserver_{os.getpid()}_{uuid.uuid4().hex[:12]}"
         ready, told = os.pipe()
-        try:
-            self._process = subprocess.Popen(
-                [sys.executable, SCRIPT, "serve", address, str(os.getpid()), str(told), *PRELOADED, package],
-                stdin=subprocess.DEVNULL,
-                pass_fds=(told,),
-            )
-            os.close(told)
-            told = -1
-            with os.fdopen(ready, "rb") as listening:  # requests from now on wait for its imports
-                listening.read(1)
-        finally:
-            if told >= 0:
+        with os.fdopen(ready, "rb") as listening:
+            try:
+                self._process = subprocess.Popen(
+                    [sys.executable, SCRIPT, "serve", address, str(os.getpid()), str(told), *PRELOADED, package],
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=(told,),
+                )
+            finally:
                 os.close(told)
+            listening.read(1)  # it listens: requests from now on wait for its imports
         self.command = monarch_bootstrap_command(sys.executable, ["-S", SCRIPT, "start", address])
 
     def current(self) -> bool:
