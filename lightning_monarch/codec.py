@@ -140,10 +140,12 @@ def pack(
     instance: Any = None
 
     def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+        # taken out at once: the pickler drops a buffer once it is saved, and a later buffer (a
+        # NumPy array's) may then get its ``id``, and must not get its source
+        source = instance.buffer_sources.pop(id(buffer), None)
         raw = buffer.raw()
         if raw.nbytes < OUT_OF_BAND_BYTES:
             return True  # inside the pickle
-        source = instance.buffer_sources.get(id(buffer))
         sources.append(_foreign_source(raw) if source is None else source)
         return False
 

@@ -378,3 +378,12 @@ def test_a_large_array_travels_out_of_band_once_and_arrives_writable() -> None:
     assert back["a"] is back["again"] and back["a"] is not back["copy"]
     back["a"][0] = -1.0
     assert array[0] == 0.0 and back["copy"][0] == 0.0
+
+
+@routes
+def test_an_array_pickled_after_a_tensor_arrives_with_its_own_bytes(route: str) -> None:
+    """Found by the property above: a reduced object's items (a tensor) are pickled before its
+    state (an array). The pickler drops the storage's buffer once it is saved, and the array's
+    buffer may then take its ``id``; the array must still travel with its own bytes."""
+    for dtype in (np.float64, np.uint8):
+        check(_reduced(("", np.zeros(2048, dtype=dtype), [torch.randn(9, 15, dtype=torch.float64)])), route)
