@@ -33,6 +33,7 @@ from benchmarks import plots
 from benchmarks.fresh import RESULTS, FirstStep, run_cases
 from lightning_monarch import MeshFailureError, MonarchStrategy
 from lightning_monarch.benchmark.models import BenchModel
+from tests.served_hosts import process_job_host
 
 #: 10 steps per epoch (20 batches, 2 ranks); the kill lands 5 steps after the epoch-3 snapshot.
 SIZE, STEPS, BATCHES, KILL_AT, CHECKPOINT_EVERY = "medium", 60, 20, 35, 20
@@ -69,11 +70,11 @@ class KillRank1(L.Callback):
             self._pids = trainer.strategy.worker_pids
             worker = self._pids[1]
             if self.notice:
-                for pid in (psutil.Process(worker).ppid(), worker):
+                for pid in (psutil.Process(worker).ppid(), worker):  # a served host's worker is its child
                     os.kill(pid, signal.SIGTERM)
             else:
                 if self.whole_host:  # a ProcessJob host has its own session
-                    os.killpg(psutil.Process(worker).ppid(), signal.SIGKILL)
+                    os.killpg(process_job_host(1), signal.SIGKILL)
                 with suppress(ProcessLookupError):
                     os.kill(worker, signal.SIGKILL)
             self.killed_at = time.monotonic()

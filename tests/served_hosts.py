@@ -1,5 +1,5 @@
 """Monarch hosts served at TCP addresses of this machine, as cluster nodes serve them: for the tests
-of ``MonarchStrategy(hosts=[...])`` and the elastic benchmark."""
+of ``MonarchStrategy(hosts=[...])`` and the elastic benchmark; and the host processes of a ``ProcessJob``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import time
 from contextlib import suppress
 from pathlib import Path
 from typing import Optional
+
+import psutil
 
 from lightning_monarch.controller.mesh.hosts import reachable
 
@@ -62,3 +64,16 @@ class ServedHost:
             with suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+def process_job_host(index: int) -> int:
+    """The process ID of host ``index`` of the ``ProcessJob`` that this process started: Monarch
+    names each host process's address after its host, ``.../hosts_<index>``. (Its workers' parent
+    is the fork server they were forked from, not their host.)"""
+    found = [
+        child.pid
+        for child in psutil.Process().children()
+        if any("run_worker_loop_forever" in part and f"/hosts_{index}'" in part for part in child.cmdline())
+    ]
+    assert len(found) == 1, f"{len(found)} ProcessJob host processes named hosts_{index}"
+    return found[0]

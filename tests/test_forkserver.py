@@ -12,20 +12,25 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import psutil
 import pytest
 from monarch.actor import this_host
+from monarch.job import ProcessJob
 
 from lightning_monarch.controller.mesh import forkserver
+from lightning_monarch.controller.mesh.hosts import host_mesh
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.worker.forkserver import NOT_READ_AT_IMPORT
+from tests.served_hosts import process_job_host
 from tests.worker_probe import WorkerProbe
 
 #: Variables that differ from mesh to mesh: the run ID its start-up sets (``worker.process``) and
 #: the port of its process group (``controller.mesh.world``).
 PER_MESH_VARIABLES = frozenset({"TORCHELASTIC_RUN_ID", "MASTER_PORT"})
+#: The Lightning package of this namespace's workers, whose fork servers these tests start.
+PACKAGE = "lightning.pytorch"
 
 
 def _starts(mesh: WorkerMesh) -> list[dict[str, Any]]:
@@ -62,7 +67,7 @@ def test_cpu_workers_are_forked_and_start_as_monarchs_own_would() -> None:
         fresh_starts = _starts(fresh)
     finally:
         fresh.stop()
-    servers = forkserver.fork_server_pids()
+    servers = forkserver.fork_server_pids(PACKAGE)
     assert [start["parent"] for start in forked_starts] == [servers[0]] * 2, "the workers were not forked"
     assert [start["parent"] for start in fresh_starts] == [os.getpid()] * 2
     assert [_comparable(start) for start in forked_starts] == [_comparable(start) for start in fresh_starts]
@@ -73,19 +78,33 @@ def test_cpu_workers_are_forked_and_start_as_monarchs_own_would() -> None:
     assert forked_cpu < fresh_cpu / 2
 
 
-def test_a_changed_environment_gets_a_new_fork_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    _spawned().stop()
-    before = forkserver.fork_server_pids()
-    monkeypatch.setenv("LIGHTNING_MONARCH_TEST_VARIABLE", "seen")
-    mesh = _spawned()
+def _parents_and_variable(mesh: WorkerMesh) -> list[tuple[int, Optional[str]]]:
+    """Each worker's parent and its ``LIGHTNING_MONARCH_TEST_VARIABLE``; then stops ``mesh``."""
     try:
-        starts = _starts(mesh)
+        return [
+            (start["parent"], start["environment"].get("LIGHTNING_MONARCH_TEST_VARIABLE")) for start in _starts(mesh)
+        ]
     finally:
         mesh.stop()
-    after = forkserver.fork_server_pids()
-    assert after != before and not psutil.pid_exists(before[0])
-    assert [start["parent"] for start in starts] == after * 2
-    assert [start["environment"]["LIGHTNING_MONARCH_TEST_VARIABLE"] for start in starts] == ["seen"] * 2
+
+
+def test_a_changed_environment_gets_a_fork_server_of_its_own_and_the_last_two_are_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _spawned().stop()
+    first = forkserver.fork_server_pids(PACKAGE)[0]  # the most recently used: this environment's
+    monkeypatch.setenv("LIGHTNING_MONARCH_TEST_VARIABLE", "seen")
+    seen = _parents_and_variable(_spawned())
+    changed, kept = forkserver.fork_server_pids(PACKAGE)[:2]
+    assert changed != first and kept == first and psutil.pid_exists(first)
+    assert seen == [(changed, "seen")] * 2
+    monkeypatch.delenv("LIGHTNING_MONARCH_TEST_VARIABLE")  # restored: the first server again
+    assert _parents_and_variable(_spawned()) == [(first, None)] * 2
+    assert forkserver.fork_server_pids(PACKAGE)[:2] == [first, changed]
+    monkeypatch.setenv("LIGHTNING_MONARCH_TEST_VARIABLE", "another")  # a third: the least recently used stops
+    third = _parents_and_variable(_spawned())
+    assert forkserver.fork_server_pids(PACKAGE) == [third[0][0], first] and not psutil.pid_exists(changed)
+    assert [variable for _, variable in third] == ["another"] * 2
 
 
 def _start_processes() -> set[psutil.Process]:
@@ -138,10 +157,10 @@ def test_a_worker_that_fails_to_start_ends_its_start_process_alike(monkeypatch: 
     server's frames, reaches the start process's own standard error, and it exits with the
     worker's code."""
     monkeypatch.setenv("MONARCH_ERROR_DURING_BOOTSTRAP_FOR_TESTING", "1")
-    server = forkserver.ForkServerProcess("lightning.pytorch")
+    server = forkserver.ForkServerProcess((*forkserver.PRELOADED, PACKAGE))
     try:
         started = subprocess.run(
-            [sys.executable, "-S", forkserver.SCRIPT, "start", server.address],
+            [sys.executable, *server.start_arguments()],
             capture_output=True,
             text=True,
             timeout=60,
@@ -151,3 +170,26 @@ def test_a_worker_that_fails_to_start_ends_its_start_process_alike(monkeypatch: 
     assert started.returncode == 1
     assert "Error during bootstrap for testing" in started.stderr
     assert "in become_worker" in started.stderr, "the worker was not forked"
+
+
+def test_the_workers_of_a_process_jobs_hosts_are_forked_and_die_with_their_host() -> None:
+    """A ``ProcessJob``'s hosts run this interpreter on this machine: their CPU workers are forked
+    too. A host process killed on its own (not its session) takes its worker with it within a
+    second, as a worker that Monarch's bootstrap started dies with its host."""
+    job = ProcessJob({"hosts": 2})
+    try:
+        mesh = WorkerMesh.spawn(1, hosts=host_mesh(job, 2, 0, 30))
+        try:
+            workers = [psutil.Process(pid) for pid in mesh.pids]
+            assert [worker.ppid() for worker in workers] == forkserver.fork_server_pids(PACKAGE)[:1] * 2
+            os.kill(process_job_host(1), signal.SIGKILL)
+            killed_at = time.monotonic()
+            while workers[1].is_running() and time.monotonic() - killed_at < 5:
+                time.sleep(0.02)
+            print(f"rank 1's forked worker ended {time.monotonic() - killed_at:.2f} s after its host")
+            assert not workers[1].is_running() and workers[0].is_running()
+            assert time.monotonic() - killed_at < 1
+        finally:
+            mesh.stop(kill=True)
+    finally:
+        job.kill()

@@ -13,7 +13,9 @@ until it serves (it must not start Monarch: its runtime's threads would not surv
   and ends as the child ended: with its exit code, or killed by its signal. Monarch watches and
   stops this process as it would the worker itself. If the server is gone, or refuses (its
   imports saw another environment than this process has), it becomes the worker itself instead,
-  by running Monarch's bootstrap in a new interpreter.
+  by running Monarch's bootstrap in a new interpreter. It can run another module than Monarch's
+  bootstrap, with ``NAME=VALUE`` variables of the child's own, as ``env NAME=VALUE python -m
+  MODULE ARG...`` would: the test suite starts the ranks of its Lightning references so.
 
 Why: a worker that imports torch and Lightning itself spends about 5 CPU-seconds before it runs
 anything (measured on this project's 2-core machines), and every new mesh, recovery and elastic
@@ -41,13 +43,19 @@ from typing import Any, Optional
 #: The module Monarch's bootstrap command runs (``python -m``) in each process of a proc mesh.
 BOOTSTRAP_MODULE = "monarch._src.actor.bootstrap_main"
 #: Variables that change while a controller runs and that no import of the server's reads: those
-#: Monarch sets for each process it launches, pytest's name of the running test, and those
-#: Lightning's ``seed_everything`` sets (which Lightning reads only when it seeds).
+#: Monarch sets for each process it launches (and for each host process of a ``ProcessJob``),
+#: pytest's name of the running test, those Lightning's ``seed_everything`` sets (which Lightning
+#: reads only when it seeds), and the terminal's size, which GNU readline exports when a
+#: controller initializes it (through the C library, so ``os.environ`` and the processes started
+#: from it do not have them, while Monarch's do).
 NOT_READ_AT_IMPORT = frozenset(
     {
+        "COLUMNS",
+        "LINES",
         "HYPERACTOR_MESH_BOOTSTRAP_MODE",
         "HYPERACTOR_PROCESS_NAME",
         "MONARCH_CLIENT_TRACE_ID",
+        "_MONARCH_WORKER_ADDR",
         "PYTEST_CURRENT_TEST",
         "PL_GLOBAL_SEED",
         "PL_SEED_WORKERS",
@@ -241,12 +249,14 @@ def _fork_unsafe() -> Optional[str]:
 
 
 def become_worker(request: dict[str, Any]) -> None:
-    """In a forked child: the requester's environment, directory and process group, then Monarch's
-    proc bootstrap, as ``python -m`` runs it (this returns when the worker's process ends)."""
+    """In a forked child: the requester's environment (with its own variables), directory and
+    process group, then its module (Monarch's proc bootstrap unless it asked for another), as
+    ``python -m`` runs it (this returns when the worker's process ends)."""
     import runpy
 
     os.environ.clear()
     os.environ.update(request["environment"])
+    os.environ.update(request["variables"])
     os.chdir(request["directory"])
     try:
         os.setpgid(0, request["process_group"])
@@ -256,27 +266,35 @@ def become_worker(request: dict[str, Any]) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:  # as its import seeds it in a process of its own
         numpy.random.seed()
-    sys.argv = [sys.argv[0]]
-    runpy.run_module(BOOTSTRAP_MODULE, run_name="__main__", alter_sys=True)
+    sys.argv = [sys.argv[0], *request["arguments"]]
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 
 
-def start(address: str) -> None:
-    """The ``start`` role: have the server fork this process's worker and end as it ends, or
-    become the worker here if the server cannot."""
+def start(address: str, variables: dict[str, str], command: list[str]) -> None:
+    """The ``start`` role: have the server fork this process's worker, which runs ``command``
+    (``MODULE ARG...``, Monarch's bootstrap if empty) with ``variables`` set, and end as it ends;
+    or become the worker here if the server cannot."""
+    die_with_parent(os.getppid())  # as Monarch's bootstrap has each process die with its host's
+    module, *arguments = command or [BOOTSTRAP_MODULE]
+    request = {
+        "environment": dict(os.environ),
+        "variables": variables,
+        "directory": os.getcwd(),
+        "process_group": os.getpgid(0),
+        "module": module,
+        "arguments": arguments,
+    }
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.connect(address)
-        _send(
-            connection,
-            {"environment": dict(os.environ), "directory": os.getcwd(), "process_group": os.getpgid(0)},
-            STREAMS,
-        )
+        _send(connection, request, STREAMS)
         reply, _ = _receive(connection)
     except OSError:
         reply = None
     if reply is None or "pid" not in reply:
         connection.close()
-        os.execv(sys.executable, [sys.executable, "-m", BOOTSTRAP_MODULE])
+        os.environ.update(variables)
+        os.execv(sys.executable, [sys.executable, "-m", module, *arguments])
     worker = reply["pid"]
 
     def forward(signum: int, frame: Any) -> None:
@@ -300,12 +318,16 @@ def start(address: str) -> None:
 
 
 def main() -> None:
-    """``forkserver.py serve ADDRESS PARENT READY_FD MODULE...`` or ``forkserver.py start ADDRESS``."""
+    """``forkserver.py serve ADDRESS PARENT READY_FD MODULE...`` (the modules to import), or
+    ``forkserver.py start ADDRESS [NAME=VALUE...] [-m MODULE [ARG...]]``."""
     if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)  # a script's directory is not on a worker's path (this package's modules)
     role, address = sys.argv[1], "\0" + sys.argv[2]
     if role == "start":
-        start(address)
+        rest = sys.argv[3:]
+        split = rest.index("-m") if "-m" in rest else len(rest)
+        variables = dict(assignment.split("=", 1) for assignment in rest[:split])
+        start(address, variables, rest[split + 1 :])
         return
     die_with_parent(int(sys.argv[3]))
     os.setpgid(0, 0)  # a terminal's Ctrl-C goes to the controller, not here

@@ -1,16 +1,19 @@
 """Worker processes on the controller's host, forked from a fork server (``worker/forkserver.py``).
 
-Runs on the controller. A CPU worker on this host is started by the bootstrap command
+Runs on the controller. A CPU worker on this host, or on the hosts of a ``ProcessJob`` (host
+processes on this machine, with this interpreter: ``hosts.runs_here``), is started by the bootstrap command
 :func:`bootstrap_command` gives, which has the fork server of its Lightning package fork it, ready
 imported, instead of importing torch and Lightning itself (about 5 CPU-seconds a worker). The
 server is started with the first such mesh, from this process's environment and working
-directory, and started again when either has changed since: its imports must have seen what a new
-worker's would. It stops at interpreter exit, after the warm mesh (``controller.mesh.pool``), and
-dies with this process.
+directory, and another is started when either has changed since: its imports must have seen what
+a new worker's would. The last :data:`KEPT` servers of a package are kept, so that an environment
+changed for a while and then restored (a test's patched variable, a notebook cell's) finds its
+server, and the workers of meshes started before the change keep theirs. Servers stop at
+interpreter exit, after the warm mesh (``controller.mesh.pool``), and die with this process.
 
 Not used for GPU workers (each pins its device in a process whose CUDA or ROCm runtime must be
-its own; forking is not yet measured on GPU machines), nor for other hosts, whose processes are
-started by their own host process, nor off Linux.
+its own; forking is not yet measured on GPU machines), nor for hosts at addresses, which may be
+other machines with interpreters of their own, nor off Linux.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -48,32 +51,51 @@ SCRIPT = str(Path(worker_forkserver.__file__))
 PRELOADED = ("torch", "torch.distributed", "cloudpickle", "psutil", "xxhash", "yaml")
 #: How long stopping a server may take before it is killed.
 _STOP_TIMEOUT_S = 5.0
+#: How many fork servers of a Lightning package are kept, the most recently used first: each holds
+#: the memory of its imports (shared with its workers), and the workers of one that is stopped die.
+KEPT = 2
 
 
 class ForkServerProcess:
-    """Runs on the controller: one fork server, for the workers of one Lightning package."""
+    """Runs on the controller: one fork server, which imported ``preload`` in ``environment``."""
 
-    def __init__(self, package: str) -> None:
-        """Start a server that imports ``package`` (``lightning.pytorch`` or ``pytorch_lightning``)."""
-        self.seen = (comparable_environment(os.environ), os.getcwd())
+    def __init__(self, preload: Sequence[str], environment: Optional[Mapping[str, str]] = None) -> None:
+        """Start a server that imports ``preload``, in ``environment`` (by default this process's,
+        which it inherits whole: native code may have set variables that ``os.environ`` does not
+        show, and Monarch's processes inherit them too) and this process's working directory."""
+        self.seen = (comparable_environment(os.environ if environment is None else environment), os.getcwd())
         #: The name of its abstract Unix socket.
         self.address = address = f"lightning_monarch_forkserver_{os.getpid()}_{uuid.uuid4().hex[:12]}"
         ready, told = os.pipe()
         with os.fdopen(ready, "rb") as listening:
             try:
                 self._process = subprocess.Popen(
-                    [sys.executable, SCRIPT, "serve", address, str(os.getpid()), str(told), *PRELOADED, package],
+                    [sys.executable, SCRIPT, "serve", address, str(os.getpid()), str(told), *preload],
                     stdin=subprocess.DEVNULL,
+                    env=None if environment is None else dict(environment),
                     pass_fds=(told,),
                 )
             finally:
                 os.close(told)
             listening.read(1)  # it listens: requests from now on wait for its imports
-        self.command = monarch_bootstrap_command(sys.executable, ["-S", SCRIPT, "start", address])
+        self.command = monarch_bootstrap_command(sys.executable, self.start_arguments())
 
-    def current(self) -> bool:
-        """Whether it runs, and saw the environment and working directory a new worker would."""
-        return self._process.poll() is None and self.seen == (comparable_environment(os.environ), os.getcwd())
+    def start_arguments(self, variables: Optional[Mapping[str, str]] = None, command: Sequence[str] = ()) -> list[str]:
+        """The interpreter's arguments for a process that has this server fork it a child, which
+        runs ``command`` (``MODULE ARG...``; Monarch's proc bootstrap if empty) with ``variables``
+        set, as ``env NAME=VALUE python -m MODULE ARG...`` would."""
+        assignments = [f"{name}={value}" for name, value in (variables or {}).items()]
+        return ["-S", SCRIPT, "start", self.address, *assignments, *(["-m", *command] if command else [])]
+
+    def running(self) -> bool:
+        """Whether its process runs."""
+        return self._process.poll() is None
+
+    def current(self, environment: Optional[Mapping[str, str]] = None) -> bool:
+        """Whether it runs, and saw ``environment`` (this process's by default) and the working
+        directory that a new child would."""
+        seen = comparable_environment(os.environ if environment is None else environment), os.getcwd()
+        return self.running() and self.seen == seen
 
     @property
     def pid(self) -> int:
@@ -89,21 +111,28 @@ class ForkServerProcess:
             self._process.wait()
 
 
-#: This process's fork servers, by the Lightning package their workers import.
-_SERVERS: dict[str, ForkServerProcess] = {}
+#: This process's fork servers, by the Lightning package their workers import, the most recently
+#: used first.
+_SERVERS: dict[str, list[ForkServerProcess]] = {}
 
 
 def bootstrap_command(package: str) -> Optional[BootstrapCommand]:
     """The bootstrap command for CPU workers on this host that import ``package``: one that forks
-    them from a fork server, started here if need be; ``None`` (Monarch's own) off Linux."""
+    them from the fork server that saw this process's environment and directory, started here if
+    need be; ``None`` (Monarch's own) off Linux."""
     if not sys.platform.startswith("linux"):
         return None
-    server = _SERVERS.get(package)
-    if server is None or not server.current():
-        if server is not None:
-            log.debug("Starting the worker fork server again: the environment or directory changed")
-            server.stop()
-        server = _SERVERS[package] = ForkServerProcess(package)
+    servers = _SERVERS[package] = [server for server in _SERVERS.get(package, []) if server.running()]
+    server = next((server for server in servers if server.current()), None)
+    if server is None:
+        if servers:
+            log.debug("Starting another worker fork server: the environment or directory changed")
+        server = ForkServerProcess((*PRELOADED, package))
+    else:
+        servers.remove(server)
+    servers.insert(0, server)
+    while len(servers) > KEPT:
+        servers.pop().stop()
     return server.command
 
 
@@ -148,15 +177,17 @@ def is_worker_process(process: psutil.Process) -> bool:
     return parent is not None and SCRIPT in parent.cmdline()
 
 
-def fork_server_pids() -> list[int]:
-    """The process IDs of this process's fork servers."""
-    return [server.pid for server in _SERVERS.values()]
+def fork_server_pids(package: Optional[str] = None) -> list[int]:
+    """The process IDs of this process's fork servers (of ``package``'s workers, if given), each
+    package's most recently used first."""
+    return [server.pid for name, servers in _SERVERS.items() if package in (None, name) for server in servers]
 
 
 def stop_fork_servers() -> None:
     """Stop this process's fork servers."""
     while _SERVERS:
-        _SERVERS.popitem()[1].stop()
+        for server in _SERVERS.popitem()[1]:
+            server.stop()
 
 
 # registered at import, before any mesh exists, so that it runs after the pool stopped its mesh

@@ -19,13 +19,14 @@ import math
 import re
 import shutil
 import socket
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.actor import HostMesh, attach_to_workers
-from monarch.job import SlurmJob
+from monarch.job import ProcessJob, SlurmJob
 
 from lightning_monarch._compat import monarch as monarch_compat
 from lightning_monarch.controller.mesh.cells import blocks_the_cell
@@ -33,6 +34,9 @@ from lightning_monarch.errors import UnreachableHostsError
 
 #: The name of the host mesh the workers run on, in a Monarch job's mesh specification.
 HOSTS_MESH = "hosts"
+#: The host meshes of ``ProcessJob``s, by identity: host processes that Monarch started on this
+#: machine with this interpreter and this process's environment (:func:`runs_here`).
+_PROCESS_JOB_MESHES: weakref.WeakValueDictionary[int, HostMesh] = weakref.WeakValueDictionary()
 
 
 @blocks_the_cell
@@ -55,6 +59,8 @@ def host_mesh(hosts: Any, num_nodes: int, gpus_per_host: int, connect_timeout: f
         check_job(hosts, num_nodes, gpus_per_host)
         started_here = not hosts.active
         mesh = _job_host_mesh(hosts)
+        if isinstance(hosts, ProcessJob):
+            _PROCESS_JOB_MESHES[id(mesh)] = mesh
         if started_here:
             # Started without a cached state, so no other process can attach to it: release its hosts
             # (a SLURM allocation, a ProcessJob's processes) when this process ends, after the warm
@@ -70,6 +76,14 @@ def host_mesh(hosts: Any, num_nodes: int, gpus_per_host: int, connect_timeout: f
     check_num_nodes(mesh, num_nodes)
     wait_for_hosts(mesh, addresses, connect_timeout)
     return mesh
+
+
+def runs_here(hosts: Optional[HostMesh]) -> bool:
+    """Whether the processes of ``hosts`` run on this machine with this interpreter, so that this
+    process's fork server can fork their CPU workers (``controller.mesh.forkserver``): this host
+    (``None``), or the hosts of a ``ProcessJob``. Hosts at addresses may be other machines, with
+    interpreters of their own, and start their workers with Monarch's bootstrap."""
+    return hosts is None or _PROCESS_JOB_MESHES.get(id(hosts)) is hosts
 
 
 def worker_addresses(hosts: Any) -> Optional[list[str]]:

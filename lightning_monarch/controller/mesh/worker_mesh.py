@@ -23,7 +23,7 @@ from lightning_monarch._compat.monarch import SupervisionError
 from lightning_monarch.codec import Shipment, StorageKey, decode
 from lightning_monarch.controller.mesh import deaths, storages
 from lightning_monarch.controller.mesh.forkserver import ProcessStart
-from lightning_monarch.controller.mesh.hosts import host_count
+from lightning_monarch.controller.mesh.hosts import host_count, runs_here
 from lightning_monarch.controller.mesh.output import WorkerOutput
 from lightning_monarch.controller.mesh.storages import KeptShards
 from lightning_monarch.controller.mesh.watch import POLL_S, ProcessWatch
@@ -88,8 +88,9 @@ class WorkerMesh:
         hold_warnings: bool = True,
         local: bool = False,
     ) -> None:
-        """A mesh not yet started; :meth:`spawn` starts one. ``local``: ``hosts`` is this host,
-        whose CPU workers are forked from a fork server (``controller.mesh.forkserver``)."""
+        """A mesh not yet started; :meth:`spawn` starts one. ``local``: the processes of ``hosts``
+        run on this machine with this interpreter (``hosts.runs_here``), and their CPU workers are
+        forked from this process's fork server (``controller.mesh.forkserver``)."""
         self.num_workers = per_host * host_count(hosts)
         self._hosts = hosts
         self._per_host = per_host
@@ -129,7 +130,8 @@ class WorkerMesh:
         torch elastic environment; ``output`` forwards what workers on other hosts print, and with
         ``hold_warnings`` the workers hold their Python warnings for the controller to show once
         (``worker.held_warnings``)."""
-        mesh = cls(this_host() if hosts is None else hosts, per_host, gpu_indices, output, hold_warnings, hosts is None)
+        local = runs_here(hosts)  # before ``hosts`` is this host's mesh, which is not registered as one
+        mesh = cls(this_host() if hosts is None else hosts, per_host, gpu_indices, output, hold_warnings, local)
         mesh._start()
         return mesh
 
