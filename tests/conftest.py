@@ -7,8 +7,6 @@ user's cells do; the leak check counts every other worker process as left behind
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -22,8 +20,8 @@ import lightning_monarch  # noqa: F401 - registers strategy="monarch"
 from lightning_monarch.controller.mesh.forkserver import is_worker_process
 from lightning_monarch.controller.mesh.pool import MESHES, other_namespace_pool
 from lightning_monarch.devices import VISIBILITY_VARS
-from tests.parity_cases import environment_for_ddp
-from tests.served_hosts import ROOT
+from tests.references import run_reference
+from tests.served_hosts import ROOT  # noqa: F401 - the tests take it from here
 
 #: Every process of this test run carries this marker in its environment, which Monarch's worker
 #: processes inherit: a worker left behind is found even after it was re-parented (its controller
@@ -128,21 +126,9 @@ def cuda_build(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
-def run_reference(module: str, *arguments: Any, timeout: float = 300) -> None:
-    """Run a reference under one of Lightning's own strategies, ``python -m module arguments``, in
-    a subprocess from the repository root: Lightning's launchers re-execute the running command for
-    each rank, which inside pytest would be pytest itself."""
-    subprocess.run(
-        [sys.executable, "-m", module, *map(str, arguments)],
-        cwd=ROOT,
-        env=environment_for_ddp(),
-        check=True,
-        timeout=timeout,
-    )
-
-
-def run_ddp_reference(out_dir: Path, cases: list[str]) -> Path:
-    """Run parity cases under Lightning's own ``strategy="ddp"`` (2 CPU processes) in a subprocess,
-    as ``python -m tests.ddp_reference`` (:func:`run_reference`)."""
-    run_reference("tests.ddp_reference", out_dir, *cases, timeout=900)
+def run_ddp_reference(out_dir: Path, cases: list[str], processes: int = 2, fails: bool = False) -> Path:
+    """Run parity cases under Lightning's own ``strategy="ddp"`` on ``processes`` CPU ranks (2 a
+    host of the cases), ``python -m tests.ddp_reference`` on each (``tests.references``); with
+    ``fails``, cases whose rank 0 fails on purpose (only rank 0 must end well)."""
+    run_reference("tests.ddp_reference", out_dir, *cases, processes=processes, timeout=900, peers_may_fail=fails)
     return out_dir

@@ -3,9 +3,8 @@ Lightning's own ``ddp`` stopped at each resume point where the world changed and
 with the new number of processes.
 
 Imported by the test process, by the Monarch workers (which unpickle the model) and by ``ddp``'s
-ranks, which run it as ``python -m tests.elastic_runs OUT_DIR SEQUENCE INDEX`` (``ddp``
-re-executes the command it was started with for each rank, which inside pytest would be pytest
-itself). Run ``INDEX`` of a :data:`SEQUENCES` entry resumes from the checkpoint that the run
+ranks, each of which runs it as ``python -m tests.elastic_runs OUT_DIR SEQUENCE INDEX``
+(``tests.references``). Run ``INDEX`` of a :data:`SEQUENCES` entry resumes from the checkpoint that the run
 before it saved after its ``fit``, as a stopped ``ddp`` run leaves it; the last run's rank 0
 saves what the test compares in ``results.pt``.
 """

@@ -7,7 +7,6 @@ one recipe both strategies follow; only the ``strategy`` string differs.
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
 from collections.abc import Callable
@@ -465,9 +464,3 @@ def comparable_checkpoint(path: Path) -> dict[str, Any]:
         for key in ("dirpath", "best_model_path", "last_model_path", "kth_best_model_path", "best_k_models"):
             state.pop(key, None)
     return checkpoint
-
-
-def environment_for_ddp() -> dict[str, str]:
-    """The environment for the ``ddp`` reference: the repo root importable, one thread per rank."""
-    root = str(Path(__file__).resolve().parent.parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}

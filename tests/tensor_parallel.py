@@ -2,8 +2,8 @@
 dimension, as torchtitan lays out 2-D parallelism; and the run that ``tests/test_model_parallel.py``
 compares between ``MonarchModelParallelStrategy`` and Lightning's own ``ModelParallelStrategy``.
 
-Usage (the reference, Lightning's strategy on CPU processes, gloo; Lightning's launcher re-executes
-this command for every rank): ``python -m tests.tensor_parallel ROOT RUN [RUN ...]``, each ``RUN``
+Usage (the reference, Lightning's strategy on CPU processes, gloo; every rank runs this command,
+``tests.references``): ``python -m tests.tensor_parallel ROOT RUN [RUN ...]``, each ``RUN``
 ``DxT`` or ``DxT:FROM`` (:func:`run_reference`), all of one world size.
 """
 
@@ -142,6 +142,6 @@ def run_reference(root: Path, run: str) -> None:
 
 
 if __name__ == "__main__":
-    # runs of one world size share the launched processes, which Lightning starts once
+    # runs of one world size share the ranks' processes and their process group
     for run in sys.argv[2:]:
         run_reference(Path(sys.argv[1]), run)

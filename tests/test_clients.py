@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.clients import CLIENTS
-from tests.conftest import run_reference
+from tests.references import run_reference
 from tests.test_parity import assert_same
 
 pytestmark = pytest.mark.timeout(600)
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(600)
 def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every library of the tier under ``ddp``, in one launch of 2 ranks (``tests.clients.reference``)."""
     out_dir = tmp_path_factory.mktemp("clients-ddp")
-    run_reference("tests.clients.reference", out_dir, *CLIENTS, timeout=900)
+    run_reference("tests.clients.reference", out_dir, *CLIENTS, processes=2, timeout=900)
     return out_dir
 
 

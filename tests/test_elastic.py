@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
-import psutil
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -29,10 +28,11 @@ from lightning_monarch.controller.mesh.world import surviving_positions
 from lightning_monarch.specs import WorldSpec
 from lightning_monarch.worker.process import torch_elastic_env
 from tests import elastic_runs
-from tests.conftest import run_reference, worker_processes
+from tests.conftest import worker_processes
 from tests.models import Classifier
 from tests.parity_cases import comparable_checkpoint
-from tests.served_hosts import ServedHost
+from tests.references import run_reference
+from tests.served_hosts import ServedHost, process_job_host
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,13 +41,15 @@ KILL_AT_STEP = 15
 
 
 class KillHost(L.Callback):
-    """SIGKILLs, from the controller, the host process of worker ``rank`` and every process it
-    started (the host runs in a session of its own), when ``global_step`` reaches ``step``; records
-    the workers' process IDs then, in the smaller world, and at the end; and once the run goes on
-    in the smaller world, calls ``then``."""
+    """SIGKILLs, from the controller, worker ``rank`` and its host process, whose ID ``host`` gives,
+    with every process the host started (it runs in a session of its own), when ``global_step``
+    reaches ``step``; records the workers' process IDs then, in the smaller world, and at the end;
+    and once the run goes on in the smaller world, calls ``then``."""
 
-    def __init__(self, rank: int, step: int, then: Optional[Callable[[], None]] = None) -> None:
-        self.rank, self.step, self.then = rank, step, then
+    def __init__(
+        self, rank: int, host: Callable[[], int], step: int, then: Optional[Callable[[], None]] = None
+    ) -> None:
+        self.rank, self.host, self.step, self.then = rank, host, step, then
         self.pids_before: Optional[list[int]] = None
         self.pids_smaller: Optional[list[int]] = None
         self.pids_at_end: Optional[list[int]] = None
@@ -56,7 +58,7 @@ class KillHost(L.Callback):
         if self.pids_before is None and trainer.global_step == self.step:
             self.pids_before = trainer.strategy.worker_pids
             worker = self.pids_before[self.rank]
-            os.killpg(psutil.Process(worker).ppid(), signal.SIGKILL)
+            os.killpg(self.host(), signal.SIGKILL)
             with suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGKILL)
         elif self.pids_smaller is None and trainer.strategy.num_nodes == 1:
@@ -71,19 +73,24 @@ class KillHost(L.Callback):
 @pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
     """Lightning's ``ddp`` on a sequence, stopped and resumed as ``elastic_runs`` says: what its
-    last run saved, and its ``directory``. Each sequence runs once per module: three tests compare
+    last run saved, and its ``directory``. Each sequence runs once per module: two tests compare
     with ``shrink``."""
     done: dict[str, dict[str, Any]] = {}
 
     def reference(sequence: str) -> dict[str, Any]:
         if sequence not in done:
             out_dir = tmp_path_factory.mktemp(f"ddp-{sequence}")
-            for index in range(len(elastic_runs.SEQUENCES[sequence])):
-                run_reference("tests.elastic_runs", out_dir, sequence, index, timeout=240)
+            for index, (processes, *_) in enumerate(elastic_runs.SEQUENCES[sequence]):
+                run_reference("tests.elastic_runs", out_dir, sequence, index, processes=processes, timeout=240)
             done[sequence] = {**torch.load(out_dir / "results.pt", weights_only=False), "directory": out_dir}
         return done[sequence]
 
     return reference
+
+
+def served_pid(host: ServedHost) -> int:
+    assert host.process is not None, "the host does not serve"
+    return host.process.pid
 
 
 def _fit_elastic(
@@ -124,27 +131,6 @@ def _assert_same_run(ours: dict[str, Any], reference: dict[str, Any], out_dir: P
     assert WORLD_SIZE_METRIC in ours["csv"].splitlines()[0] and ACCUMULATION_METRIC in ours["csv"].splitlines()[0]
 
 
-def test_a_fit_that_loses_a_host_ends_as_ddp_stopped_at_the_resume_point_and_resumed_on_fewer(
-    tmp_path: Path, caplog: Any, ddp_reference: Callable[[str], dict[str, Any]]
-) -> None:
-    reference = ddp_reference("shrink")
-    job = ProcessJob({"hosts": 2})
-    killer = KillHost(rank=1, step=KILL_AT_STEP)
-    try:
-        strategy, trainer, ours, changes = _fit_elastic(tmp_path / "monarch", job, [killer], caplog)
-    finally:
-        stop_meshes()
-        job.kill()
-
-    assert killer.pids_before is not None
-    assert killer.pids_smaller == killer.pids_at_end == killer.pids_before[:1]  # host 0's worker went on
-    assert strategy.world_changes == 1 and strategy.num_nodes == 2 and trainer.accumulate_grad_batches == 1
-    (change,) = changes
-    assert "lost host(s) [1] of 2 (worker ranks [1]); training goes on with 1 worker(s) on 1 host(s)" in change
-    assert "accumulate_grad_batches=2, from the start of epoch 2 (global step 12)" in change
-    _assert_same_run(ours, reference, tmp_path)
-
-
 class KillSurvivor(L.Callback):
     """SIGKILLs, from the controller, the worker left after a shrink (its host lives on) once the
     controller's loop reaches ``step`` in the smaller world; records its process ID then."""
@@ -159,24 +145,32 @@ class KillSurvivor(L.Callback):
             os.kill(self.killed, signal.SIGKILL)
 
 
-def test_a_worker_that_dies_after_a_shrink_is_replaced_on_the_hosts_left(
+def test_a_fit_that_loses_a_host_ends_as_ddp_stopped_at_the_resume_point_and_resumed_on_fewer(
     tmp_path: Path, caplog: Any, ddp_reference: Callable[[str], dict[str, Any]]
 ) -> None:
+    """Host 1 of a ``ProcessJob`` is lost in epoch 2; in epoch 3, the worker left on host 0 dies
+    too and is replaced there (``max_restarts=1``): one fit for both, as each sets up the same
+    smaller world."""
     reference = ddp_reference("shrink")
     job = ProcessJob({"hosts": 2})
-    killer = KillHost(rank=1, step=KILL_AT_STEP)
+    killer = KillHost(rank=1, host=lambda: process_job_host(1), step=KILL_AT_STEP)
     survivor = KillSurvivor(step=20)  # in epoch 3, after its snapshot
     try:
-        strategy, _, ours, changes = _fit_elastic(tmp_path / "monarch", job, [killer, survivor], caplog, max_restarts=1)
+        strategy, trainer, ours, changes = _fit_elastic(
+            tmp_path / "monarch", job, [killer, survivor], caplog, max_restarts=1
+        )
     finally:
         stop_meshes()
         job.kill()
 
-    assert strategy.world_changes == 1 and strategy.restarts == 1
-    assert killer.pids_at_end is not None and survivor.killed is not None
+    assert killer.pids_before is not None and killer.pids_at_end is not None
+    assert killer.pids_smaller == killer.pids_before[:1] == [survivor.killed]  # host 0's worker went on
     assert len(killer.pids_at_end) == 1 and killer.pids_at_end[0] != survivor.killed  # a new process on host 0
+    assert strategy.world_changes == 1 and strategy.restarts == 1
+    assert strategy.num_nodes == 2 and trainer.accumulate_grad_batches == 1
     (change,) = changes
-    assert "from the start of epoch 2 (global step 12)" in change
+    assert "lost host(s) [1] of 2 (worker ranks [1]); training goes on with 1 worker(s) on 1 host(s)" in change
+    assert "accumulate_grad_batches=2, from the start of epoch 2 (global step 12)" in change
     _assert_same_run(ours, reference, tmp_path)
 
 
@@ -187,7 +181,7 @@ def test_a_host_back_at_the_same_address_is_refused_by_monarch_and_the_run_goes_
     (meta-pytorch/monarch#4310): the controller says so once, with the fix, and goes on."""
     reference = ddp_reference("shrink")
     hosts = [ServedHost(), ServedHost()]
-    killer = KillHost(rank=1, step=KILL_AT_STEP, then=hosts[1].start)  # the same address
+    killer = KillHost(rank=1, host=lambda: served_pid(hosts[1]), step=KILL_AT_STEP, then=hosts[1].start)  # same address
     try:
         for host in hosts:
             host.start()
@@ -217,7 +211,7 @@ def test_a_lost_host_that_serves_again_rejoins_at_the_next_epoch_as_ddp_resumed_
         started.append(hosts[1])
         hosts[1].start()
 
-    killer = KillHost(rank=1, step=KILL_AT_STEP, then=come_back)
+    killer = KillHost(rank=1, host=lambda: served_pid(hosts[1]), step=KILL_AT_STEP, then=come_back)
     try:
         for host in hosts:
             host.start()
@@ -307,7 +301,9 @@ def test_a_fit_with_fewer_hosts_left_than_min_nodes_fails_naming_them(tmp_path: 
     try:
         L.seed_everything(elastic_runs.SEED)
         strategy = MonarchStrategy(hosts=job, min_nodes=2, connect_timeout=5)
-        trainer = elastic_runs.trainer(tmp_path, strategy, [KillHost(rank=1, step=3)], devices=1, num_nodes=2)
+        trainer = elastic_runs.trainer(
+            tmp_path, strategy, [KillHost(rank=1, host=lambda: process_job_host(1), step=3)], devices=1, num_nodes=2
+        )
         with pytest.raises(
             HostsLostError, match=r"Host\(s\) \[1\] of the 2 .* fewer than `MonarchStrategy\(min_nodes=2\)`"
         ):

@@ -15,9 +15,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_monarch import MonarchFSDPStrategy, cli, convert_sharded_checkpoint
-from tests.conftest import run_reference, worker_processes
+from tests.conftest import worker_processes
 from tests.memory import PeakRss
 from tests.parity_cases import SEED, TokenTransformer
+from tests.references import run_reference
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -205,7 +206,7 @@ def test_lightning_model_parallel_strategy_reads_and_writes_the_same_checkpoints
     workers and writes its own, from which ``monarch_fsdp`` on 2 workers resumes in turn."""
     path, _ = checkpoint
     theirs = tmp_path / "model_parallel.ckpt"
-    run_reference("tests.model_parallel_reference", path, theirs)
+    run_reference("tests.model_parallel_reference", path, theirs, processes=1)
     convert_sharded_checkpoint(theirs, tmp_path / "theirs.ckpt")
     saved = torch.load(tmp_path / "theirs.ckpt", weights_only=True)
     gather = GatherAtTrainStart()

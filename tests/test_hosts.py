@@ -44,7 +44,7 @@ def job() -> Any:
 
 @pytest.mark.parametrize("case", list(HOST_CASES))
 def test_two_hosts_give_what_ddp_gives_with_four_processes(case: str, tmp_path: Path) -> None:
-    reference_dir = run_ddp_reference(tmp_path / "ddp", [case])
+    reference_dir = run_ddp_reference(tmp_path / "ddp", [case], processes=4)
     ours = run_case(case, "monarch", tmp_path / "monarch")
     assert ours is not None
     assert_same(ours, torch.load(reference_dir / case / "results.pt", weights_only=False), case)

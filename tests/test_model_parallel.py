@@ -17,7 +17,8 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch import MonarchFSDPStrategy, MonarchModelParallelStrategy, cli, stop_meshes
-from tests.conftest import run_reference, worker_processes
+from tests.conftest import worker_processes
+from tests.references import run_reference
 from tests.tensor_parallel import TensorParallelTransformer, fit
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,11 +28,10 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 LAYOUTS = {"1x2": (1, 2), "2x2": (2, 2)}
 
 
-def _references(root: Path, *runs: str) -> dict[str, Any]:
-    """Lightning's own ``ModelParallelStrategy`` for ``runs`` of one world size
-    (``tests.tensor_parallel.run_reference``): its launcher starts a process per rank, so it runs as
-    ``python -m tests.tensor_parallel``."""
-    run_reference("tests.tensor_parallel", root, *runs)
+def _references(root: Path, processes: int, *runs: str) -> dict[str, Any]:
+    """Lightning's own ``ModelParallelStrategy`` for ``runs`` of world size ``processes``
+    (``tests.tensor_parallel.run_reference``), as ``python -m tests.tensor_parallel`` on each rank."""
+    run_reference("tests.tensor_parallel", root, *runs, processes=processes)
     return {run: torch.load(root / run.replace(":", "-from-") / "results.pt", weights_only=False) for run in runs}
 
 
@@ -39,7 +39,7 @@ def _references(root: Path, *runs: str) -> dict[str, Any]:
 def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """At 1×2; at 2×2, then 1×4 resumed from its checkpoint, in the same 4 processes."""
     root = tmp_path_factory.mktemp("model_parallel")
-    results = {**_references(root, "1x2"), **_references(root, "2x2", "1x4:2x2")}
+    results = {**_references(root, 2, "1x2"), **_references(root, 4, "2x2", "1x4:2x2")}
     return {**results, "resumed 1x4": results.pop("1x4:2x2")}
 
 

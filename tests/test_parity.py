@@ -28,8 +28,9 @@ def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def ddp_failures(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("ddp-failures")
-    for case in FAILING_CASES:  # one reference process each: its rank 0 ends the other ranks' on failing
-        run_ddp_reference(directory, [case])
+    # one reference run each: its failing rank 0 leaves the other ranks in a collective that fails
+    for case in FAILING_CASES:
+        run_ddp_reference(directory, [case], fails=True)
     return directory
 
 

@@ -26,9 +26,10 @@ from torch import nn
 
 from lightning_monarch import MeshStatsMonitor, MonarchFSDPStrategy, MonarchModelParallelStrategy, MonarchStrategy
 from lightning_monarch.controller.mesh.pool import MESHES
-from tests.conftest import ROOT, run_reference
+from tests.conftest import ROOT
 from tests.models import Classifier
 from tests.parity_cases import TokenTransformer
+from tests.references import run_reference
 from tests.tensor_parallel import fit
 
 pytestmark = [
@@ -180,7 +181,7 @@ def test_tensor_parallel_workers_share_one_gpu_over_gloo(tmp_path: Path, monkeyp
     assert not torch.cuda.is_initialized(), "the controller initialized a GPU"
     weights = trainer.strategy.gather_full_state_dict()
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    run_reference("tests.tensor_parallel", tmp_path / "reference", "1x2", timeout=240)
+    run_reference("tests.tensor_parallel", tmp_path / "reference", "1x2", processes=2, timeout=240)
     reference = torch.load(tmp_path / "reference" / "1x2" / "results.pt", weights_only=False)
     assert trainer.global_step == reference["global_step"]
     torch.testing.assert_close(model.losses, reference["losses"], rtol=1e-4, atol=1e-5)
