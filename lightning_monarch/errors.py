@@ -1,11 +1,14 @@
-"""Exceptions that lightning_monarch raises in the controller process."""
+"""Exceptions that lightning_monarch raises in the controller process.
+
+One class per error in both of Lightning's namespaces: this module imports no part of Lightning,
+so ``lightning_monarch.pl`` shares it (``lightning_monarch.namespaces``), and ``except
+lightning_monarch.WorkerError`` catches a ``pytorch_lightning`` run's failure too.
+"""
 
 from __future__ import annotations
 
 import time
 from typing import Optional
-
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch.reports import WorkerFailure
 
@@ -71,9 +74,23 @@ class WorkerTimeoutError(MeshFailureError):
     example in a collective that a peer never joined. ``ranks`` names those that did not answer."""
 
 
-class UnreachableHostsError(MisconfigurationException):
+class _Misconfiguration(Exception):
+    """Where :class:`UnreachableHostsError` takes Lightning's ``MisconfigurationException`` until
+    a namespace's install step gives it (:func:`count_as_misconfiguration`)."""
+
+
+class UnreachableHostsError(_Misconfiguration):
     """The workers' hosts did not connect to the controller at ``Trainer(...)`` time; the message
-    names the addresses that do not accept a connection."""
+    names the addresses that do not accept a connection. A ``MisconfigurationException`` of each
+    Lightning namespace installed in this process (each has its own class of that name)."""
+
+
+def count_as_misconfiguration(exception: type[Exception]) -> None:
+    """Make :class:`UnreachableHostsError` a subclass of ``exception`` too: a namespace's
+    ``MisconfigurationException``, given by that namespace's install step on the controller."""
+    bases = tuple(base for base in UnreachableHostsError.__bases__ if base is not _Misconfiguration)
+    if exception not in bases:
+        UnreachableHostsError.__bases__ = (*bases, exception)
 
 
 class DivergenceError(RuntimeError):

@@ -26,6 +26,7 @@ import lightning_monarch.pl
 from lightning_monarch import cli, namespaces
 from tests.conftest import worker_processes
 from tests.models import Classifier
+from tests.pl import compat_models as pl_compat_models
 from tests.pl import models as pl_models
 from tests.pl import test_cli as pl_cli
 from tests.pl import test_fsdp as pl_fsdp
@@ -233,15 +234,35 @@ def test_a_module_of_the_other_namespace_gets_lightnings_own_error() -> None:
 def test_shared_modules_are_one_module_and_names_map_both_ways() -> None:
     assert importlib.import_module("lightning_monarch.pl.codec") is importlib.import_module("lightning_monarch.codec")
     assert importlib.import_module("lightning_monarch.pl._compat.monarch") is lightning_monarch._compat.monarch
-    assert lightning_monarch.pl.errors is not lightning_monarch.errors  # its errors subclass Lightning's
-    assert issubclass(
-        lightning_monarch.pl.UnreachableHostsError, pytorch_lightning.utilities.exceptions.MisconfigurationException
-    )
+    assert importlib.import_module("lightning_monarch.pl.errors") is lightning_monarch.errors
+    for name in ("WorkerError", "MeshFailureError", "HostsLostError", "UnreachableHostsError", "DivergenceError"):
+        assert getattr(lightning_monarch.pl, name) is getattr(lightning_monarch, name)
+    for misconfiguration in (
+        pytorch_lightning.utilities.exceptions.MisconfigurationException,
+        L.pytorch.utilities.exceptions.MisconfigurationException,
+    ):
+        assert issubclass(lightning_monarch.UnreachableHostsError, misconfiguration)
     assert namespaces.counterpart("lightning_monarch.strategy") == "lightning_monarch.pl.strategy"
     assert namespaces.counterpart("lightning_monarch.pl") == "lightning_monarch"
     assert namespaces.namespace_of("tests.pl.models") is namespaces.PYTORCH_LIGHTNING
     assert namespaces.namespace_of_class(pl_models.Classifier) is namespaces.PYTORCH_LIGHTNING
     assert namespaces.namespace_of_class(Classifier) is namespaces.LIGHTNING
+
+
+def test_a_pytorch_lightning_runs_worker_failure_is_lightning_monarchs_one_error_class() -> None:
+    trainer = pytorch_lightning.Trainer(
+        strategy="monarch",
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        max_steps=3,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(lightning_monarch.WorkerError, match="failing on purpose at step 1") as error:
+        trainer.fit(pl_compat_models.FailsAtStep(1))
+    assert type(error.value) is lightning_monarch.pl.WorkerError
 
 
 def test_a_public_name_given_the_other_namespaces_objects_names_both() -> None:

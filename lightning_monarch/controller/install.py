@@ -14,8 +14,9 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_monarch import namespaces
+from lightning_monarch import errors, namespaces
 
 if TYPE_CHECKING:
     from lightning_monarch.strategy import MonarchStrategy
@@ -40,7 +41,9 @@ def install() -> None:
        (``register_strategies``);
     4. ``Trainer(accelerator="gpu")`` under those strategies names the workers' GPUs, so that a
        controller without a GPU accepts it (``WorkerGPUAccelerator``);
-    5. the same for ``pytorch_lightning``'s Trainer, by importing ``lightning_monarch.pl``, as soon
+    5. ``UnreachableHostsError``, one class for both namespaces, is this namespace's
+       ``MisconfigurationException`` (``errors.count_as_misconfiguration``);
+    6. the same for ``pytorch_lightning``'s Trainer, by importing ``lightning_monarch.pl``, as soon
        as ``pytorch_lightning`` is imported (:func:`lightning_monarch.namespaces.import_after`).
     """
     global _installed
@@ -55,6 +58,7 @@ def install() -> None:
     for strategy in _strategies():
         strategy.register_strategies(StrategyRegistry)
     lightning_compat.route_accelerator(_check_flags)
+    errors.count_as_misconfiguration(MisconfigurationException)
     _installed = True
     namespaces.import_after(namespaces.PYTORCH_LIGHTNING.pytorch, namespaces.PYTORCH_LIGHTNING.package)
 
