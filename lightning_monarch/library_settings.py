@@ -30,10 +30,15 @@ def read() -> Settings:
     }
 
 
-def apply(settings: Settings) -> None:
+def apply(settings: Settings) -> Settings:
     """Runs in each worker, once the stage's objects are open: make ``settings`` of the libraries
     they imported as the user's script made them on the controller. A library the stage does not
-    use is not imported for its settings."""
+    use is not imported for its settings. Returns the values they replaced, which ``apply`` puts
+    back when the stage ends (``worker.stage_settings``)."""
+    replaced: Settings = {}
     for (module, name, attribute), value in settings.items():
         if module in sys.modules:
-            setattr(getattr(sys.modules[module], name), attribute, value)
+            holder = getattr(sys.modules[module], name)
+            replaced[(module, name, attribute)] = getattr(holder, attribute)
+            setattr(holder, attribute, value)
+    return replaced

@@ -76,23 +76,29 @@ def worker_processes() -> list[psutil.Process]:
     return found
 
 
-def probe_warm_workers(endpoint: str) -> list[Any]:
+def probe_workers(mesh: Any, endpoint: str) -> list[Any]:
     """Every worker's answer to ``WorkerProbe.<endpoint>`` (``tests/worker_probe.py``), from a
-    probe actor spawned in the processes of the warm mesh the last stage kept, once the workers
-    have dropped that stage (as the next stage finds them); then stops it."""
+    probe actor spawned in the processes of ``mesh`` (a ``WorkerMesh``), in no particular order."""
     from tests.worker_probe import WorkerProbe
 
+    answers = []
+    for part in mesh._world.parts:
+        probe = part.procs.spawn("worker_probe", WorkerProbe)
+        answers.extend(getattr(probe, endpoint).call().get(timeout=60).values())
+    return answers
+
+
+def probe_warm_workers(endpoint: str, keep: bool = False) -> list[Any]:
+    """:func:`probe_workers` on the warm mesh the last stage kept, once the workers have dropped
+    that stage (as the next stage finds them); then stops it, unless ``keep``."""
     assert MESHES._idle is not None, "the last stage kept no warm mesh to probe"
     try:
         mesh = MESHES._idle[1]
         assert mesh.answers(), "the warm mesh's workers do not answer"
-        answers = []
-        for part in mesh._world.parts:  # the warm mesh of a stage on this host: one part
-            probe = part.procs.spawn("worker_probe", WorkerProbe)
-            answers.extend(getattr(probe, endpoint).call().get(timeout=60).values())
-        return answers
+        return probe_workers(mesh, endpoint)
     finally:
-        MESHES.stop()
+        if not keep:
+            MESHES.stop()
 
 
 def stray_workers() -> list[psutil.Process]:

@@ -23,24 +23,14 @@ from lightning_monarch.controller.mesh import forkserver
 from lightning_monarch.controller.mesh.hosts import host_mesh
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.worker.forkserver import NOT_READ_AT_IMPORT
+from tests.conftest import probe_workers
 from tests.served_hosts import process_job_host
-from tests.worker_probe import WorkerProbe
 
 #: Variables that differ from mesh to mesh: the run ID its start-up sets (``worker.process``) and
 #: the port of its process group (``controller.mesh.world``).
 PER_MESH_VARIABLES = frozenset({"TORCHELASTIC_RUN_ID", "MASTER_PORT"})
 #: The Lightning package of this namespace's workers, whose fork servers these tests start.
 PACKAGE = "lightning.pytorch"
-
-
-def _starts(mesh: WorkerMesh) -> list[dict[str, Any]]:
-    """Each worker's :meth:`WorkerProbe.start`, in no particular order."""
-    assert mesh._world is not None
-    answers = []
-    for part in mesh._world.parts:
-        probe = part.procs.spawn("worker_probe", WorkerProbe)
-        answers.extend(probe.start.call().get(timeout=60).values())
-    return answers
 
 
 def _comparable(start: dict[str, Any]) -> dict[str, Any]:
@@ -59,12 +49,12 @@ def _spawned(**kwargs: Any) -> WorkerMesh:
 def test_cpu_workers_are_forked_and_start_as_monarchs_own_would() -> None:
     forked = _spawned()
     try:
-        forked_starts = _starts(forked)
+        forked_starts = probe_workers(forked, "start")
     finally:
         forked.stop()
     fresh = _spawned(hosts=this_host())
     try:
-        fresh_starts = _starts(fresh)
+        fresh_starts = probe_workers(fresh, "start")
     finally:
         fresh.stop()
     servers = forkserver.fork_server_pids(PACKAGE)
@@ -82,7 +72,8 @@ def _parents_and_variable(mesh: WorkerMesh) -> list[tuple[int, Optional[str]]]:
     """Each worker's parent and its ``LIGHTNING_MONARCH_TEST_VARIABLE``; then stops ``mesh``."""
     try:
         return [
-            (start["parent"], start["environment"].get("LIGHTNING_MONARCH_TEST_VARIABLE")) for start in _starts(mesh)
+            (start["parent"], start["environment"].get("LIGHTNING_MONARCH_TEST_VARIABLE"))
+            for start in probe_workers(mesh, "start")
         ]
     finally:
         mesh.stop()

@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import lightning as L
 import psutil
@@ -17,7 +18,8 @@ import pytest
 import lightning_monarch
 from lightning_monarch import MonarchStrategy
 from lightning_monarch.controller.mesh.pool import MESHES
-from tests.conftest import ROOT, probe_warm_workers, worker_processes
+from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
+from tests.conftest import ROOT, probe_warm_workers, probe_workers, worker_processes
 from tests.models import Classifier
 
 pytestmark = pytest.mark.timeout(180)
@@ -62,6 +64,42 @@ def test_a_warm_workers_garbage_collection_leaves_out_what_the_process_imported(
         assert count["tracked"] < count["frozen"] / 4, count
 
 
+class SeesItsOwnSettings(Classifier):
+    """Fails in ``training_step`` where the worker's process does not have its stage's settings:
+    its own seed variable (or none) and script folder, and no other stage's folder."""
+
+    def __init__(self, seed: Optional[str], folder: str, other: str) -> None:
+        super().__init__()
+        self.expected = (seed, folder, other)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        seed, folder, other = self.expected
+        assert os.environ.get("PL_GLOBAL_SEED") == seed, os.environ.get("PL_GLOBAL_SEED")
+        assert folder in sys.path and other not in sys.path, sys.path
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_warm_worker_undoes_each_stages_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage's logger levels, warning filter, script folder and seed variables are undone when it
+    ends: the next stage on the warm worker sees its own, and the process is left as a fresh one.
+    The first stage, unseeded, starts the mesh; the second is seeded."""
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # unset while the workers start, and at the end
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    fresh_mesh = WorkerMesh.spawn(2)
+    try:
+        fresh = probe_workers(fresh_mesh, "stage_settings")
+    finally:
+        fresh_mesh.stop()
+    folders = [str(tmp_path / name) for name in ("first", "second")]
+    for index, (folder, seed) in enumerate(zip(folders, (None, 8), strict=True)):
+        monkeypatch.setattr(sys.modules["__main__"], "__file__", os.path.join(folder, "train.py"), raising=False)
+        if seed is not None:
+            L.seed_everything(seed)
+        _trainer().fit(SeesItsOwnSettings(None if seed is None else str(seed), folder, folders[1 - index]))
+        assert probe_warm_workers("stage_settings", keep=index == 0) == fresh
+
+
 def test_other_devices_replace_the_mesh_and_stop_meshes_stops_it() -> None:
     _trainer().fit(Classifier())
     before = MESHES.worker_pids()
@@ -92,6 +130,7 @@ def test_a_dead_idle_worker_is_replaced() -> None:
 _EXITING_SCRIPT = """
 import lightning as L, lightning_monarch
 from lightning_monarch.controller.mesh.pool import MESHES
+from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from tests.models import Classifier
 L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=2,
           limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -10,8 +10,10 @@ start-up and stages imported.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import sys
+import warnings
 from typing import Any
 
 from lightning.pytorch import Callback
@@ -55,6 +57,17 @@ class WorkerProbe(Actor):
     def garbage_collector(self) -> dict[str, int]:
         """How many objects the cyclic garbage collector leaves out (``gc.freeze``) and walks."""
         return {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())}
+
+    @endpoint
+    def stage_settings(self) -> dict[str, Any]:
+        """What a stage sets process-wide (``worker/stage_settings.py``): Lightning's logger levels,
+        the warning filters about ``ckpt_path``, ``sys.path`` and the seed variables."""
+        return {
+            "levels": {name: logging.getLogger(name).level for name in ("lightning.pytorch", "lightning.fabric")},
+            "filters": [str(entry) for entry in warnings.filters if "ckpt_path" in str(entry)],
+            "path": list(sys.path),
+            "seed": {name: os.environ.get(name) for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")},
+        }
 
     @endpoint
     def start(self) -> dict[str, Any]:

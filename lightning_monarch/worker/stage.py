@@ -11,12 +11,8 @@ through entry points: those run once, on the controller.
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import re
-import sys
 import tempfile
-import warnings
 from typing import Any, Optional, cast
 
 import torch
@@ -24,7 +20,6 @@ from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_monarch import library_settings
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.codec import Parcel, open_parcel
 from lightning_monarch.gates import GateCallback, install_hook_gates
@@ -34,6 +29,7 @@ from lightning_monarch.worker.entries import EntryRecorder
 from lightning_monarch.worker.logger import recording_loggers
 from lightning_monarch.worker.loop import StageLoop
 from lightning_monarch.worker.sharding import shard_in_configure_model, sharded_strategy
+from lightning_monarch.worker.stage_settings import StageSettings
 from lightning_monarch.worker.state import RankState
 from lightning_monarch.worker.stats import RehearsalRecorder
 from lightning_monarch.worker.storages import WorkerStorages
@@ -45,14 +41,6 @@ _STAGE_KWARGS = {
     "test": {"verbose": False},
     "predict": {"return_predictions": False},
 }
-
-
-#: Lightning's info messages ("Initializing distributed", "`Trainer.fit` stopped") are the
-#: controller's to print; a worker keeps warnings and errors only.
-_QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric")
-#: A worker's Trainer has none of the controller's callbacks on purpose; the controller's own
-#: Trainer restores their state from a checkpoint and warns itself if one is missing.
-_CALLBACKS_MISSING_WARNING = "Be aware that when using `ckpt_path`, callbacks used to create the checkpoint"
 
 
 def build_stage(
@@ -68,21 +56,29 @@ def build_stage(
     worker of an elastic ``fit`` that goes on in a smaller world from the checkpoint sent with the
     stage (``spec.checkpoint``), written to a temporary file for Lightning's ``ckpt_path`` and
     removed when the stage ends; or, for a sharded module, from the snapshot's sharded checkpoint
-    directory, given as ``ckpt_path``.
+    directory, given as ``ckpt_path``. The stage's process-wide settings
+    (``worker.stage_settings``) are undone when it ends, or here if it cannot be built.
     """
-    for name in _QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=re.escape(_CALLBACKS_MISSING_WARNING))
-    for path in reversed(spec.sys_path):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    for name, value in spec.env.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    settings = StageSettings(spec)
+    settings.make()
+    try:
+        return _build(spec, rank, storages, kept, first, settings)
+    except BaseException:
+        settings.undo()
+        raise
+
+
+def _build(
+    spec: StageSpec,
+    rank: int,
+    storages: WorkerStorages,
+    kept: Optional[LightningModule],
+    first: bool,
+    settings: StageSettings,
+) -> StageLoop:
+    """:func:`build_stage`, once the stage's settings are made; ``run`` undoes them."""
     module, datamodule, loaders, worker_callbacks = open_parcel(spec.payload, storages.take(spec.payload))
-    library_settings.apply(spec.library_settings)  # scvi's seed setter seeds torch: before the next line
+    settings.make_library_settings()  # scvi's seed setter seeds torch: before the next line
     if spec.torch_rng is not None and (first or spec.torch_rng.changed):
         torch.set_rng_state(torch.frombuffer(bytearray(spec.torch_rng.state), dtype=torch.uint8))
 
@@ -154,6 +150,7 @@ def build_stage(
         finally:
             if snapshot_file is not None:
                 os.remove(snapshot_file)
+            settings.undo()
 
     resume = spec.resume.ranks[rank] if spec.resume is not None else None
     state = RankState(trainer, rank)

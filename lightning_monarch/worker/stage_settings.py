@@ -1,0 +1,81 @@
+"""The process-wide settings a stage makes on a worker, and their undoing when it ends.
+
+Runs in each worker process, around each stage (``worker.stage``). A stage quiets Lightning's info
+messages (the controller prints them), ignores one warning of Lightning's that does not apply to a
+worker, puts the user's script folder on ``sys.path`` (as torchrun would), sets the seed variables
+``seed_everything`` set on the controller, and makes the client libraries' settings the user's
+script made (``library_settings``). A warm worker runs the next stage, or the next user's Trainer
+on the same mesh, in the same process: each of these is undone when the stage ends, so that no
+stage inherits another's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import warnings
+from typing import Any, Optional, cast
+
+from lightning_monarch import library_settings
+from lightning_monarch.specs import StageSpec
+
+#: Lightning's info messages ("Initializing distributed", "`Trainer.fit` stopped") are the
+#: controller's to print; a worker keeps warnings and errors only.
+QUIET_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+#: A worker's Trainer has none of the controller's callbacks on purpose; the controller's own
+#: Trainer restores their state from a checkpoint and warns itself if one is missing.
+CALLBACKS_MISSING_WARNING = "Be aware that when using `ckpt_path`, callbacks used to create the checkpoint"
+
+
+class StageSettings:
+    """One stage's process-wide settings on a worker: :meth:`make` them, then :meth:`undo` them."""
+
+    def __init__(self, spec: StageSpec) -> None:
+        self._spec = spec
+        self._levels = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+        self._environment = {name: os.environ.get(name) for name in spec.env}
+        self._paths: list[str] = []
+        self._filter: Optional[tuple[Any, ...]] = None
+        self._libraries: library_settings.Settings = {}
+
+    def make(self) -> None:
+        """Make the stage's settings but the libraries' (:meth:`make_library_settings`)."""
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+        warnings.filterwarnings("ignore", message=re.escape(CALLBACKS_MISSING_WARNING))
+        self._filter = warnings.filters[0]
+        for path in reversed(self._spec.sys_path):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+                self._paths.append(path)
+        _set_environment(self._spec.env)
+
+    def make_library_settings(self) -> None:
+        """Make the client libraries' settings: once the stage's objects are open, which imports
+        the libraries they use."""
+        self._libraries = library_settings.apply(self._spec.library_settings)
+
+    def undo(self) -> None:
+        """Leave the process as it was before :meth:`make`."""
+        library_settings.apply(self._libraries)
+        _set_environment(self._environment)
+        for path in self._paths:
+            if path in sys.path:
+                sys.path.remove(path)
+        if self._filter in warnings.filters:
+            # an "ignore" filter removed: no warning shown before is shown again, so the warnings
+            # module's caches of shown warnings stay valid
+            cast(list[Any], warnings.filters).remove(self._filter)
+        for name, level in self._levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _set_environment(variables: dict[str, Optional[str]]) -> None:
+    """Set each of ``variables``, or unset it where its value is ``None``."""
+    for name, value in variables.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
