@@ -26,7 +26,6 @@ from __future__ import annotations
 import copyreg
 import ctypes
 import io
-import os
 import pickle
 import warnings
 from collections import ChainMap
@@ -36,6 +35,8 @@ from typing import Any, Optional, Union
 
 import torch
 import xxhash
+
+from lightning_monarch.memory_files import Identity
 
 #: Storages (and ``bytes``) of at least this many bytes travel out of band in a :class:`Parcel`;
 #: smaller ones cost less inside the pickle than as a key of their own.
@@ -107,15 +108,14 @@ class Parcel:
 @dataclass(frozen=True)
 class Shipment:
     """How the storages of a stage's parcels that rank 0 does not hold travel from the controller,
-    once: as files in ``directory``, in the shared memory of the controller's host (a worker there
-    maps them), or, without one, in a message to rank 0 before the stage starts. What a rank
-    still lacks then comes from rank 0 over the workers' process group (``worker.storages``)."""
+    once: in one memory file of the controller's (``memory_files``), each at its page-aligned
+    ``offsets``, which a worker on the controller's host opens by ``path`` and maps, or, without
+    one, in a message to rank 0 before the stage starts. What a rank still lacks then comes from
+    rank 0 over the workers' process group (``worker.storages``)."""
 
-    directory: Optional[str] = None
-
-    def path(self, key: StorageKey) -> Optional[str]:
-        """The file the storage ``key`` names is in, if the storages travel as files."""
-        return os.path.join(self.directory, f"{key.digest.hex()}-{key.nbytes}") if self.directory else None
+    path: Optional[str] = None
+    identity: Identity = (0, 0)
+    offsets: dict[StorageKey, int] = field(default_factory=dict)
 
 
 def encode(value: Any) -> bytes:

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import time
 from typing import Any, Optional
 
 from monarch.actor import start_worker_loop_forever
 
+from lightning_monarch.memory_files import MemoryFile
 from lightning_monarch.specs import NOTICE_VARIABLE
 
 log = logging.getLogger(__name__)
@@ -37,11 +36,13 @@ _WAKE_S = 0.1
 
 
 class NoticeFile:
-    """The file whose existence tells this host's worker processes that the host got SIGTERM."""
+    """The file whose content tells this host's worker processes that the host got SIGTERM: a
+    memory file (``memory_files``), empty until the notice, that goes with this process however
+    it ends, so that a killed host leaves nothing behind."""
 
     def __init__(self) -> None:
-        self._directory = tempfile.mkdtemp(prefix="lightning_monarch_host_")
-        self.path = os.path.join(self._directory, "preempted")
+        self._file = MemoryFile("lightning_monarch_notice")
+        self.path = self._file.path
         #: When this process got SIGTERM (``time.monotonic()``); ``None`` before.
         self.noticed_at: Optional[float] = None
 
@@ -50,12 +51,11 @@ class NoticeFile:
         if self.noticed_at is not None:
             return
         self.noticed_at = time.monotonic()
-        with open(self.path, "w") as file:
-            file.write(f"{signal.Signals(signum).name} at {time.time()}\n")
+        os.write(self._file.fd, f"{signal.Signals(signum).name} at {time.time()}\n".encode())
         log.warning("lightning_monarch: this host got a preemption notice; its workers are told.")
 
     def remove(self) -> None:
-        shutil.rmtree(self._directory, ignore_errors=True)
+        self._file.close()
 
 
 def serve(address: str, grace: float) -> int:

@@ -108,9 +108,10 @@ class MonarchStrategy(ParallelStrategy):
             Trainer or another (``lightning_monarch.stop_meshes()`` or interpreter exit stops
             them). ``False`` starts and stops a mesh for every stage. A warm mesh also keeps the
             weights: a stage sends none that the workers hold from the last one.
-        shared_memory: the weights that the workers lack leave this process once, as files in this
-            host's shared memory (``/dev/shm``) that the workers here map without a copy, where rank
-            0 runs on this host and there is room. ``False`` sends them in one message to rank 0
+        shared_memory: the weights that the workers lack leave this process once, in a file in this
+            host's shared memory that has no name (``memfd_create``: nothing is left behind if a
+            process is killed) and that the workers here map without a copy, where rank 0 runs on
+            this host and there is room. ``False`` sends them in one message to rank 0
             instead, which broadcasts them to the others over the workers' process group (as it
             does for workers on other hosts).
         rehearse: before each ``fit``, rehearse it on the workers (``lightning_monarch.rehearse``):

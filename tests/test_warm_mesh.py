@@ -14,6 +14,7 @@ from typing import Any, Optional
 import lightning as L
 import psutil
 import pytest
+import torch
 
 import lightning_monarch
 from lightning_monarch import MonarchStrategy
@@ -150,3 +151,70 @@ def test_interpreter_exit_stops_the_warm_mesh() -> None:
     assert time.monotonic() - started < 60
     assert "Stopping the worker mesh failed" not in done.stderr
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+class Wide(L.LightningModule):
+    """400 MiB of weights in one layer, one batch a stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(10240, 10240)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.layer(batch).square().mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val", self.layer(batch).mean())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-6)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.ones(4, 10240), batch_size=2)
+
+    val_dataloader = train_dataloader
+
+
+def _kept_memory(pid: int) -> int:
+    """What a process keeps in memory: its resident pages, and the whole of each file it maps
+    that no longer has a name (a removed file's pages, unmapped or written over copy-on-write,
+    stay in memory while the mapping lives)."""
+    process = psutil.Process(pid)
+    unnamed = {
+        region.path: region.size  # type: ignore[attr-defined]
+        for region in process.memory_maps(grouped=False)
+        if region.path.endswith("(deleted)") or region.path.startswith("/memfd:")
+    }
+    return process.memory_info().rss + sum(unnamed.values())
+
+
+def test_alternating_fits_and_validates_of_a_large_module_keep_memory_bounded() -> None:
+    """20 stages of a 400 MiB module on a warm mesh, a ``validate`` first (its storages mapped from
+    the controller's file) and then ``fit`` and ``validate`` in turn: a ``fit`` writes into pages
+    of its own, never into a copy-on-write mapping of the shipped file, and no stage adds to what
+    the controller or a worker keeps."""
+    model, size = Wide(), 10240 * 10241 * 4
+    kept: list[dict[str, int]] = []
+    for index in range(20):
+        trainer = L.Trainer(
+            strategy="monarch",
+            accelerator="cpu",
+            devices=2,
+            max_epochs=1,
+            limit_train_batches=1,
+            limit_val_batches=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        if index % 2 == 0:
+            trainer.validate(model, verbose=False)
+        else:
+            trainer.fit(model)
+        kept.append(
+            {"controller": _kept_memory(os.getpid()), **{str(pid): _kept_memory(pid) for pid in MESHES.worker_pids()}}
+        )
+    print("MiB kept after each stage:", [{name: value >> 20 for name, value in row.items()} for row in kept])
+    for name in kept[1]:
+        assert max(row[name] for row in kept[1:]) - kept[1][name] < size / 4, name

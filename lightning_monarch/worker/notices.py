@@ -46,9 +46,13 @@ def ignore_sigterm() -> None:
 
 
 def noticed() -> bool:
-    """Whether this process's host got a preemption notice."""
+    """Whether this process's host got a preemption notice: the host's notice file (a memory file
+    of the host process, ``lightning_monarch.host``) is no longer empty."""
     path = os.environ.get(NOTICE_VARIABLE)
-    return path is not None and os.path.exists(path)
+    try:
+        return path is not None and os.stat(path).st_size > 0
+    except OSError:  # the host process is gone
+        return False
 
 
 def any_host_noticed(trainer: Trainer) -> bool:

@@ -11,8 +11,6 @@ through entry points: those run once, on the controller.
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
 from typing import Any, Optional, cast
 
 import torch
@@ -23,6 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.codec import Parcel, open_parcel
 from lightning_monarch.gates import GateCallback, install_hook_gates
+from lightning_monarch.memory_files import MemoryFile
 from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS
 from lightning_monarch.specs import StageSpec
 from lightning_monarch.worker.entries import EntryRecorder
@@ -54,8 +53,8 @@ def build_stage(
 
     A replacement worker (``spec.resume``) resumes from the snapshot's checkpoint, and every
     worker of an elastic ``fit`` that goes on in a smaller world from the checkpoint sent with the
-    stage (``spec.checkpoint``), written to a temporary file for Lightning's ``ckpt_path`` and
-    removed when the stage ends; or, for a sharded module, from the snapshot's sharded checkpoint
+    stage (``spec.checkpoint``), written to a memory file (``memory_files``: nothing is left behind
+    if the process is killed) for Lightning's ``ckpt_path`` and closed when the stage ends; or, for a sharded module, from the snapshot's sharded checkpoint
     directory, given as ``ckpt_path``. The stage's process-wide settings
     (``worker.stage_settings``) are undone when it ends, or here if it cannot be built.
     """
@@ -129,10 +128,10 @@ def _build(
     if isinstance(checkpoint, str):
         ckpt_path = checkpoint  # a sharded snapshot's directory, which the controller removes
     elif isinstance(checkpoint, Parcel):
-        handle, snapshot_file = tempfile.mkstemp(prefix="lightning_monarch_snapshot_", suffix=".ckpt")
-        with os.fdopen(handle, "wb") as file:
+        snapshot_file = MemoryFile("lightning_monarch_snapshot.ckpt")
+        with open(snapshot_file.fd, "wb", closefd=False) as file:
             file.write(open_parcel(checkpoint, storages.take(checkpoint, hold=False)))
-        ckpt_path = snapshot_file
+        ckpt_path = snapshot_file.path
     storages.end_of_stage()
     stage = functools.partial(
         getattr(trainer, spec.fn),
@@ -149,7 +148,7 @@ def _build(
             return stage()
         finally:
             if snapshot_file is not None:
-                os.remove(snapshot_file)
+                snapshot_file.close()
             settings.undo()
 
     resume = spec.resume.ranks[rank] if spec.resume is not None else None

@@ -5,9 +5,9 @@ Runs in each worker process: :meth:`WorkerStorages.gather` in the ``start_stage`
 
 A stage's objects arrive as :class:`~lightning_monarch.codec.Parcel` pickles whose large storages
 travel apart, each named by its key (the hash of its bytes). The controller sends each storage
-that rank 0 does not hold once (``codec.Shipment``): into files in this host's shared memory, which
-every worker on the controller's host maps without a copy (private, copy-on-write), or in one
-message to rank 0. A rank that still lacks a storage then gets it from rank 0 over the workers'
+that rank 0 does not hold once (``codec.Shipment``): into one memory file of the controller's
+(``memory_files``), which every worker on the controller's host maps without a copy (private,
+copy-on-write), or in one message to rank 0. A rank that still lacks a storage then gets it from rank 0 over the workers'
 own ``torch.distributed`` group (NCCL or RCCL at device speed, gloo on CPUs), so that every rank
 opens the same bytes it would have unpickled from a copy of its own. After a stage that ran to its
 end, every rank holds the storages of its objects that are still alive and of its module's
@@ -17,6 +17,7 @@ name with those keys is taken from there, and nothing of it travels.
 
 from __future__ import annotations
 
+import mmap
 import os
 import weakref
 from collections.abc import Iterable
@@ -26,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_monarch.codec import OUT_OF_BAND_BYTES, Parcel, Shipment, StorageKey, storage_key
+from lightning_monarch.codec import OUT_OF_BAND_BYTES, Parcel, Shipment, StorageKey, as_memoryview, storage_key
+from lightning_monarch.memory_files import open_memory_file
 from lightning_monarch.worker.process import ensure_process_group
 
 #: The largest piece of a broadcast: small storages are sent together up to this size, and a
@@ -48,6 +50,8 @@ class WorkerStorages:
         self._taken: set[StorageKey] = set()
         #: What the stage's objects were given, to hold after it if they still live.
         self._given: list[weakref.ref[torch.UntypedStorage]] = []
+        #: The storages that map the controller's memory file, by address, while they live.
+        self._mapped: weakref.WeakValueDictionary[int, torch.UntypedStorage] = weakref.WeakValueDictionary()
 
     def receive(self, keys: Iterable[StorageKey], blobs: list[bytes]) -> None:
         """Rank 0, before ``start_stage``: the storages the controller sent in a message."""
@@ -58,14 +62,19 @@ class WorkerStorages:
         self, parcels: list[Parcel], shipment: Shipment, accelerator: str, backend: Optional[str], writes: bool
     ) -> None:
         """Make every storage ``parcels`` name available to :meth:`take`: held from the last stage,
-        from the shipment's files where this host has them, received (rank 0), and whatever a rank
-        still lacks broadcast from rank 0. Every rank takes part; the storages held from the last
-        stage that this one does not name are let go. A file is mapped, private and copy-on-write,
+        from the controller's memory file where this host has it, received (rank 0), and whatever a
+        rank still lacks broadcast from rank 0. Every rank takes part; the storages held from the
+        last stage that this one does not name are let go. The file is mapped, private and copy-on-write,
         unless the stage ``writes`` its storages (a ``fit``): then it is copied into memory of this
         process's own, which costs less than a fault per page written (measured with 400 MiB:
         0.2-0.5 s to copy and write, against 0.8-1.0 s to write the mapped pages)."""
         keys = list(dict.fromkeys(key for parcel in parcels for key in parcel.keys))
-        found: list[Optional[torch.UntypedStorage]] = [self._find(key, shipment, writes) for key in keys]
+        shipped = open_memory_file(shipment.path, shipment.identity) if shipment.path is not None else None
+        try:
+            found = [self._find(key, shipment, shipped, writes) for key in keys]
+        finally:
+            if shipped is not None:
+                os.close(shipped)
         self._held, self._received = {}, {}
         if keys and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             ensure_process_group(accelerator, backend)
@@ -119,21 +128,42 @@ class WorkerStorages:
         self._given = []
         return tuple(self._held)
 
-    def _find(self, key: StorageKey, shipment: Shipment, writes: bool) -> Optional[torch.UntypedStorage]:
-        if key in self._held:
-            return self._held[key]
-        if key in self._received:
-            return self._received[key]
-        path = shipment.path(key)
-        if path is not None and os.path.exists(path):
-            mapped = torch.UntypedStorage.from_file(path, shared=False, nbytes=key.nbytes)
-            assert isinstance(mapped, torch.UntypedStorage)  # from_file of UntypedStorage makes one
-            if not writes:
-                return mapped
-            own = torch.empty(key.nbytes, dtype=torch.uint8)
-            own.copy_(torch.empty(0, dtype=torch.uint8).set_(mapped))
-            return own.untyped_storage()
-        return None
+    def _find(
+        self, key: StorageKey, shipment: Shipment, shipped: Optional[int], writes: bool
+    ) -> Optional[torch.UntypedStorage]:
+        """The storage ``key``, if this rank has it: held from the last stage, received, or in the
+        controller's memory file (``shipped``, open here). A stage that ``writes`` its storages
+        gets memory of this process's own, never a mapping of the file, whose pages would stay
+        besides the ones written."""
+        held = self._held.get(key, self._received.get(key))
+        if held is not None:
+            return _own_copy(held) if writes and held.data_ptr() in self._mapped else held
+        offset = shipment.offsets.get(key)
+        if shipped is None or offset is None:
+            return None
+        if writes:
+            return _read_at(shipped, key.nbytes, offset)
+        mapping = mmap.mmap(shipped, key.nbytes, flags=mmap.MAP_PRIVATE, offset=offset)
+        mapped = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()  # keeps the mapping alive
+        self._mapped[mapped.data_ptr()] = mapped
+        return mapped
+
+
+def _own_copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    own = torch.empty(storage.nbytes(), dtype=torch.uint8)
+    own.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+    return own.untyped_storage()
+
+
+def _read_at(fd: int, nbytes: int, offset: int) -> torch.UntypedStorage:
+    """``nbytes`` of ``fd`` from ``offset``, read into memory of this process's own (one ``pread``
+    reads at most 2 GiB on Linux)."""
+    own = torch.empty(nbytes, dtype=torch.uint8)
+    view = as_memoryview(own)
+    done = 0
+    while done < nbytes:
+        done += os.preadv(fd, [view[done:]], offset + done)
+    return own.untyped_storage()
 
 
 def _share_from_rank0(keys: list[StorageKey], found: list[Optional[torch.UntypedStorage]]) -> None:

@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import shutil
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
 
@@ -39,6 +36,7 @@ from lightning_monarch.codec import pack
 from lightning_monarch.controller.mesh.hosts import host_mesh, reachable, worker_addresses
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.errors import HostsLostError, UnreachableHostsError
+from lightning_monarch.memory_files import MemoryFile
 from lightning_monarch.specs import StageSpec
 
 if TYPE_CHECKING:
@@ -59,12 +57,13 @@ class ResumePoints:
     snapshot gate, with the epoch just begun counted as not begun, so that Lightning resumes it as a
     run that stopped after the previous epoch (``as_stopped_before_epoch``); after a preemption
     notice, at the end of a training batch, as ``ModelCheckpoint(every_n_train_steps=...)`` saves
-    one. Only the latest is kept, in a temporary directory of this host that :meth:`remove` deletes.
+    one. Only the latest is kept, in a memory file of this process (``memory_files``), which
+    :meth:`remove` closes and a killed controller leaves nothing of.
     """
 
     def __init__(self) -> None:
-        self._directory = tempfile.mkdtemp(prefix="lightning_monarch_resume_")
-        self.path = os.path.join(self._directory, "resume.ckpt")
+        self._file = MemoryFile("lightning_monarch_resume.ckpt")
+        self.path = self._file.path
         #: Where the latest resume point is, in words, and its global step; ``None`` before the first.
         self.latest: Optional[tuple[str, int]] = None
 
@@ -93,7 +92,7 @@ class ResumePoints:
             return file.read()
 
     def remove(self) -> None:
-        shutil.rmtree(self._directory, ignore_errors=True)
+        self._file.close()
 
 
 class HostsReturned(Exception):

@@ -455,6 +455,9 @@ class StageSession:
                 for name, child in self._channel.ask_rank0("module_children").items():
                     setattr(module, name, child)
             module.load_state_dict(self.final_state.model)
+            # the module's own tensors now, as a ``ddp`` rank 0's checkpoint after ``fit`` would
+            # read them, and no second copy of the weights for as long as the Trainer lives
+            self.final_state.model.update(module.state_dict())
 
 
 class _AtNotice(Callback):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
-import shutil
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -191,26 +190,24 @@ class WorkerMesh:
 
     def start_stage(self, spec: StageSpec, shared_memory: bool = True) -> None:
         """Start ``spec`` on every rank, the storages of its parcels that rank 0 does not hold
-        sent once (``controller.mesh.storages``): as files in this host's shared memory where rank 0
-        runs here and ``shared_memory`` allows, else in one message to rank 0. Until the stage
-        ends cleanly, rank 0 counts as holding nothing."""
+        sent once (``controller.mesh.storages``): in a memory file of this process that the workers
+        on this host map, where rank 0 runs here and ``shared_memory`` allows, else in one message
+        to rank 0. Until the stage ends cleanly, rank 0 counts as holding nothing."""
         lacking = storages.lacking(spec.parcels(), self.held)
         self.held, self.kept_shards = frozenset(), None
-        directory = (
-            storages.staging_directory(lacking) if lacking and shared_memory and self._watch.watches(0) else None
-        )
-        shipment = Shipment(directory)
+        staged = storages.in_memory_file(lacking) if lacking and shared_memory and self._watch.watches(0) else None
+        file, shipment = staged if staged is not None else (None, Shipment())
         try:
-            if directory is not None:
-                self.sent["shared memory"] += storages.write(lacking, shipment)
+            if file is not None:
+                self.sent["shared memory"] += sum(key.nbytes for key in lacking)
             elif lacking:
                 self.deliver(
                     Message("receive_storages", (list(lacking), storages.copies(lacking)), wait=False, rank0=True)
                 )
             self.deliver(Message("start_stage", (dataclasses.replace(spec, shipment=shipment),)))
         finally:
-            if directory is not None:  # every worker mapped its files, or failed
-                shutil.rmtree(directory, ignore_errors=True)
+            if file is not None:  # every worker mapped it, or failed
+                file.close()
 
     def count_from_here(self) -> None:
         """Count :attr:`sent` anew (a stage starts)."""
