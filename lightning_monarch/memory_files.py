@@ -39,12 +39,6 @@ class MemoryFile:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> MemoryFile:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
 
 def open_memory_file(path: str, identity: Identity) -> Optional[int]:
     """A read-only descriptor of the memory file that another process made (its ``path`` and
@@ -59,3 +53,17 @@ def open_memory_file(path: str, identity: Identity) -> Optional[int]:
         os.close(fd)
         return None
     return fd
+
+
+def write_at(fd: int, data: memoryview, offset: int) -> None:
+    """All of ``data`` (bytes) into ``fd`` from ``offset``: one ``pwrite`` writes at most 2 GiB on Linux."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def read_at(fd: int, into: memoryview, offset: int) -> None:
+    """``fd`` from ``offset`` into all of ``into`` (bytes): one ``pread`` reads at most 2 GiB on Linux."""
+    done = 0
+    while done < len(into):
+        done += os.preadv(fd, [into[done:]], offset + done)

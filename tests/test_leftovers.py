@@ -5,10 +5,8 @@ served host killed so, leave no file of ours in shared memory or in the temporar
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 
 from lightning_monarch.controller.mesh.hosts import reachable
 from tests.conftest import ROOT, worker_processes
-from tests.served_hosts import closed_port
+from tests.served_hosts import ServedHost
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -153,19 +151,10 @@ def test_a_killed_served_host_leaves_no_file(tmp_path: Path) -> None:
     """``lightning-monarch serve`` killed with SIGKILL: its preemption notice leaves nothing behind."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    address = f"tcp://127.0.0.1:{closed_port()}"
-    host = subprocess.Popen(
-        [sys.executable, "-m", "lightning_monarch", "serve", address],
-        cwd=ROOT,
-        env={**os.environ, "TMPDIR": str(scratch)},
-        start_new_session=True,
-    )
+    host = ServedHost(env={**os.environ, "TMPDIR": str(scratch)}, notices=True)
     try:
-        deadline = time.monotonic() + 30
-        while not reachable(address) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert reachable(address)
+        host.start()
+        assert reachable(host.address)
     finally:
-        os.killpg(host.pid, signal.SIGKILL)
-        host.wait()
-    assert not _ours([scratch]), f"left in {tempfile.gettempdir()}'s place: {sorted(_ours([scratch]))}"
+        host.stop()
+    assert not _ours([scratch])

@@ -26,14 +26,15 @@ from tests.models import Classifier
 pytestmark = pytest.mark.timeout(180)
 
 
-def _trainer(strategy: Any = "monarch", devices: int = 2) -> L.Trainer:
+def _trainer(strategy: Any = "monarch", devices: int = 2, batches: tuple[int, int] = (4, 2)) -> L.Trainer:
+    """A quiet Trainer of one epoch of ``batches`` (training, validation) batches."""
     return L.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=devices,
         max_epochs=1,
-        limit_train_batches=4,
-        limit_val_batches=2,
+        limit_train_batches=batches[0],
+        limit_val_batches=batches[1],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -196,18 +197,7 @@ def test_alternating_fits_and_validates_of_a_large_module_keep_memory_bounded() 
     model, size = Wide(), 10240 * 10241 * 4
     kept: list[dict[str, int]] = []
     for index in range(20):
-        trainer = L.Trainer(
-            strategy="monarch",
-            accelerator="cpu",
-            devices=2,
-            max_epochs=1,
-            limit_train_batches=1,
-            limit_val_batches=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = _trainer(batches=(1, 1))
         if index % 2 == 0:
             trainer.validate(model, verbose=False)
         else:

@@ -54,9 +54,10 @@ def build_stage(
     A replacement worker (``spec.resume``) resumes from the snapshot's checkpoint, and every
     worker of an elastic ``fit`` that goes on in a smaller world from the checkpoint sent with the
     stage (``spec.checkpoint``), written to a memory file (``memory_files``: nothing is left behind
-    if the process is killed) for Lightning's ``ckpt_path`` and closed when the stage ends; or, for a sharded module, from the snapshot's sharded checkpoint
-    directory, given as ``ckpt_path``. The stage's process-wide settings
-    (``worker.stage_settings``) are undone when it ends, or here if it cannot be built.
+    if the process is killed) for Lightning's ``ckpt_path`` and closed when the stage ends; or,
+    for a sharded module, from the snapshot's sharded checkpoint directory, given as
+    ``ckpt_path``. The stage's process-wide settings (``worker.stage_settings``) are undone when
+    it ends, or here if it cannot be built.
     """
     settings = StageSettings(spec)
     settings.make()

@@ -7,12 +7,12 @@ A stage's objects arrive as :class:`~lightning_monarch.codec.Parcel` pickles who
 travel apart, each named by its key (the hash of its bytes). The controller sends each storage
 that rank 0 does not hold once (``codec.Shipment``): into one memory file of the controller's
 (``memory_files``), which every worker on the controller's host maps without a copy (private,
-copy-on-write), or in one message to rank 0. A rank that still lacks a storage then gets it from rank 0 over the workers'
-own ``torch.distributed`` group (NCCL or RCCL at device speed, gloo on CPUs), so that every rank
-opens the same bytes it would have unpickled from a copy of its own. After a stage that ran to its
-end, every rank holds the storages of its objects that are still alive and of its module's
-parameters and buffers, keyed anew (their bytes may have changed): what the next stage's parcels
-name with those keys is taken from there, and nothing of it travels.
+copy-on-write), or in one message to rank 0. A rank that still lacks a storage then gets it from
+rank 0 over the workers' own ``torch.distributed`` group (NCCL or RCCL at device speed, gloo on
+CPUs), so that every rank opens the same bytes it would have unpickled from a copy of its own.
+After a stage that ran to its end, every rank holds the storages of its objects that are still
+alive and of its module's parameters and buffers, keyed anew (their bytes may have changed): what
+the next stage's parcels name with those keys is taken from there, and nothing of it travels.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_monarch.codec import OUT_OF_BAND_BYTES, Parcel, Shipment, StorageKey, as_memoryview, storage_key
-from lightning_monarch.memory_files import open_memory_file
+from lightning_monarch.memory_files import open_memory_file, read_at
 from lightning_monarch.worker.process import ensure_process_group
 
 #: The largest piece of a broadcast: small storages are sent together up to this size, and a
@@ -64,10 +64,10 @@ class WorkerStorages:
         """Make every storage ``parcels`` name available to :meth:`take`: held from the last stage,
         from the controller's memory file where this host has it, received (rank 0), and whatever a
         rank still lacks broadcast from rank 0. Every rank takes part; the storages held from the
-        last stage that this one does not name are let go. The file is mapped, private and copy-on-write,
-        unless the stage ``writes`` its storages (a ``fit``): then it is copied into memory of this
-        process's own, which costs less than a fault per page written (measured with 400 MiB:
-        0.2-0.5 s to copy and write, against 0.8-1.0 s to write the mapped pages)."""
+        last stage that this one does not name are let go. The file is mapped, private and
+        copy-on-write, unless the stage ``writes`` its storages (a ``fit``): then it is read into
+        memory of this process's own, which costs less than a fault per page written (measured
+        with 400 MiB: 0.2-0.5 s to copy and write, against 0.8-1.0 s to write the mapped pages)."""
         keys = list(dict.fromkeys(key for parcel in parcels for key in parcel.keys))
         shipped = open_memory_file(shipment.path, shipment.identity) if shipment.path is not None else None
         try:
@@ -134,36 +134,21 @@ class WorkerStorages:
         """The storage ``key``, if this rank has it: held from the last stage, received, or in the
         controller's memory file (``shipped``, open here). A stage that ``writes`` its storages
         gets memory of this process's own, never a mapping of the file, whose pages would stay
-        besides the ones written."""
+        beside the ones written."""
         held = self._held.get(key, self._received.get(key))
         if held is not None:
-            return _own_copy(held) if writes and held.data_ptr() in self._mapped else held
+            return held.clone() if writes and held.data_ptr() in self._mapped else held
         offset = shipment.offsets.get(key)
         if shipped is None or offset is None:
             return None
         if writes:
-            return _read_at(shipped, key.nbytes, offset)
+            own = torch.empty(key.nbytes, dtype=torch.uint8)
+            read_at(shipped, as_memoryview(own), offset)
+            return own.untyped_storage()
         mapping = mmap.mmap(shipped, key.nbytes, flags=mmap.MAP_PRIVATE, offset=offset)
         mapped = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()  # keeps the mapping alive
         self._mapped[mapped.data_ptr()] = mapped
         return mapped
-
-
-def _own_copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
-    own = torch.empty(storage.nbytes(), dtype=torch.uint8)
-    own.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
-    return own.untyped_storage()
-
-
-def _read_at(fd: int, nbytes: int, offset: int) -> torch.UntypedStorage:
-    """``nbytes`` of ``fd`` from ``offset``, read into memory of this process's own (one ``pread``
-    reads at most 2 GiB on Linux)."""
-    own = torch.empty(nbytes, dtype=torch.uint8)
-    view = as_memoryview(own)
-    done = 0
-    while done < nbytes:
-        done += os.preadv(fd, [view[done:]], offset + done)
-    return own.untyped_storage()
 
 
 def _share_from_rank0(keys: list[StorageKey], found: list[Optional[torch.UntypedStorage]]) -> None:

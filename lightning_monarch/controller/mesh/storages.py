@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from lightning_monarch.codec import Parcel, Shipment, Source, StorageKey, as_memoryview, storage_key
-from lightning_monarch.memory_files import MemoryFile
+from lightning_monarch.memory_files import MemoryFile, write_at
 
 #: The share of this host's available memory a stage's memory file may take.
 _ROOM_SHARE = 0.5
@@ -66,18 +66,11 @@ def in_memory_file(storages: dict[StorageKey, Source]) -> Optional[tuple[MemoryF
     try:
         os.ftruncate(file.fd, end)
         for key, source in storages.items():
-            _write_at(file.fd, _verified(key, source), offsets[key])
+            write_at(file.fd, _verified(key, source), offsets[key])
     except BaseException:
         file.close()
         raise
     return file, Shipment(file.path, file.identity, offsets)
-
-
-def _write_at(fd: int, data: memoryview, offset: int) -> None:
-    """All of ``data`` into ``fd`` from ``offset`` (one ``pwrite`` writes at most 2 GiB on Linux)."""
-    written = 0
-    while written < len(data):
-        written += os.pwrite(fd, data[written:], offset + written)
 
 
 def copies(storages: dict[StorageKey, Source]) -> list[bytes]:
