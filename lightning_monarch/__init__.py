@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time, __get
     from lightning_monarch.controller.features.rehearsal import RehearsalReport, rehearse
     from lightning_monarch.controller.features.stats import MeshStatsMonitor
     from lightning_monarch.controller.launch.accelerator import WorkerGPUAccelerator
+    from lightning_monarch.controller.loop.callbacks import on_controller, on_workers
     from lightning_monarch.controller.loop.checkpoints import convert_sharded_checkpoint
     from lightning_monarch.controller.loop.plan import observe_only
     from lightning_monarch.controller.mesh.pool import stop_meshes
@@ -71,6 +72,8 @@ _PUBLIC_NAMES = {
     "WorkerGPUAccelerator": "lightning_monarch.controller.launch.accelerator",
     "convert_sharded_checkpoint": "lightning_monarch.controller.loop.checkpoints",
     "observe_only": "lightning_monarch.controller.loop.plan",
+    "on_controller": "lightning_monarch.controller.loop.callbacks",
+    "on_workers": "lightning_monarch.controller.loop.callbacks",
     "RehearsalReport": "lightning_monarch.controller.features.rehearsal",
     "rehearse": "lightning_monarch.controller.features.rehearsal",
     "stop_meshes": "lightning_monarch.controller.mesh.pool",
@@ -93,6 +96,8 @@ __all__ = [
     "WorkerTimeoutError",
     "convert_sharded_checkpoint",
     "observe_only",
+    "on_controller",
+    "on_workers",
     "rehearse",
     "stop_meshes",
 ]

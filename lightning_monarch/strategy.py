@@ -78,7 +78,7 @@ class MonarchStrategy(ParallelStrategy):
             when rank 0 did not; with ``None`` every worker prints its own, as ``ddp``'s ranks do.
         process_group_backend: the workers' ``torch.distributed`` backend; by default ``gloo`` on
             CPU and ``nccl`` on GPUs (RCCL on a ROCm build of torch).
-        worker_callbacks: callbacks that need live parameters or gradients; they run on every worker.
+        worker_callbacks: callbacks to run on every worker, as ``lightning_monarch.on_workers`` places them.
         max_restarts: how many times a stage may replace its worker processes when one dies or
             hangs: new processes replay the stage up to the failed step, bit for bit, and the run
             goes on. ``0`` (the default) fails with ``MeshFailureError``.
@@ -441,7 +441,7 @@ class MonarchStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write ``checkpoint`` with the worker callbacks' state added, as DDP's rank 0 would."""
-        self._stage.add_worker_callbacks_state(checkpoint, self.worker_callbacks)
+        self._stage.add_worker_callbacks_state(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override

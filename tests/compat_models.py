@@ -339,6 +339,13 @@ class GrowingDataClassifier(Classifier):
         return DataLoader(ClassificationData(64 + 16 * self.current_epoch), batch_size=8, shuffle=True)
 
 
+def shrink_weights(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """A ``LambdaCallback`` hook that changes the weights: each epoch starts from them halved."""
+    with torch.no_grad():
+        for parameter in pl_module.parameters():
+            parameter.mul_(0.5)
+
+
 class RankPredictionWriter(BasePredictionWriter):
     """Writes each rank's predictions with their dataset indices, one file per rank and batch."""
 

@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import (
     EarlyStopping,
     EMAWeightAveraging,
     GradientAccumulationScheduler,
+    LambdaCallback,
     LearningRateMonitor,
     ModelCheckpoint,
     ModelPruning,
@@ -33,7 +34,14 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_monarch import MonarchFSDPStrategy, MonarchStrategy, WorkerError, observe_only, stop_meshes
+from lightning_monarch import (
+    MonarchFSDPStrategy,
+    MonarchStrategy,
+    WorkerError,
+    observe_only,
+    on_workers,
+    stop_meshes,
+)
 from lightning_monarch.strategy import DEFAULT_MAX_AHEAD
 from tests import compat_models as compat
 from tests import models
@@ -104,7 +112,7 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "backbone_finetuning": lambda out: Case(
         compat.FinetuneClassifier(),
         {"max_epochs": 3},
-        worker_callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+        [BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
     ),
     "accumulation_scheduler": lambda out: Case(
         models.Classifier(), {"max_epochs": 3}, [GradientAccumulationScheduler({1: 2, 2: 3})]
@@ -173,9 +181,13 @@ CASES: dict[str, Callable[[Path], Case]] = {
         compat.GrowingDataClassifier(), {"reload_dataloaders_every_n_epochs": 1, "max_epochs": 3}
     ),
     "lambda_callback": lambda out: Case(models.Classifier(), callbacks=[compat.EpochRecorder()]),
-    "ema_weights": lambda out: Case(models.Classifier(), worker_callbacks=[EMAWeightAveraging()], save_after_fit=False),
+    # issue 55: Lightning's callbacks that touch the live model, given to the Trainer, run on the workers
+    "ema_weights": lambda out: Case(models.Classifier(), callbacks=[EMAWeightAveraging()], save_after_fit=False),
     "pruning": lambda out: Case(
-        models.Classifier(), worker_callbacks=[ModelPruning("l1_unstructured", amount=0.3)], save_after_fit=False
+        models.Classifier(), callbacks=[ModelPruning("l1_unstructured", amount=0.3)], save_after_fit=False
+    ),
+    "weights_lambda_on_workers": lambda out: Case(
+        models.Classifier(), callbacks=[on_workers(LambdaCallback(on_train_epoch_start=compat.shrink_weights))]
     ),
     # issue 15: the workers run ahead; what the controller's callbacks see and do must not change
     "metric_views": lambda out: Case(
@@ -186,7 +198,7 @@ CASES: dict[str, Callable[[Path], Case]] = {
         models.Classifier(),
         {"max_epochs": 1},
         stages=("fit", "predict"),
-        worker_callbacks=[compat.RankPredictionWriter(str(out / "predictions"))],
+        callbacks=[compat.RankPredictionWriter(str(out / "predictions"))],
     ),
 }
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
-    BasePredictionWriter,
     BatchSizeFinder,
+    EarlyStopping,
     GradientAccumulationScheduler,
     ModelCheckpoint,
     StochasticWeightAveraging,
@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_monarch import MonarchStrategy, WorkerGPUAccelerator
+from lightning_monarch import MonarchStrategy, WorkerGPUAccelerator, on_controller, on_workers
 from tests.conftest import stray_workers
 from tests.models import Classifier
 
@@ -167,13 +167,24 @@ class GradientPeeker(L.Callback):
 @pytest.mark.parametrize(
     ("callbacks", "worker_callbacks", "match"),
     [
-        ([GradientPeeker()], [], r"`GradientPeeker` overrides `on_after_backward`.*worker_callbacks=\[GradientPeeker"),
-        ([BackboneFinetuning()], [], r"`BackboneFinetuning` freezes.*worker_callbacks=\[BackboneFinetuning"),
-        ([BasePredictionWriter()], [], r"`BasePredictionWriter` writes each rank's predictions.*worker_callbacks"),
+        (
+            [on_workers(EarlyStopping("loss"))],
+            [],
+            r"`EarlyStopping` steers the loop.*without `lightning_monarch.on_workers`",
+        ),
+        (
+            [BackboneFinetuning(), on_workers(GradientAccumulationScheduler({0: 2}))],
+            [],
+            r"`GradientAccumulationScheduler` steers",
+        ),
         ([StochasticWeightAveraging(swa_lrs=0.1)], [], r"StochasticWeightAveraging.*AveragedModel"),
         ([], [StochasticWeightAveraging(swa_lrs=0.1)], r"StochasticWeightAveraging.*AveragedModel"),
         ([BatchSizeFinder()], [], r"BatchSizeFinder` runs trial fits.*devices=1"),
-        ([], [ModelCheckpoint()], r"worker_callbacks=\[ModelCheckpoint.*Trainer\(callbacks=\[ModelCheckpoint"),
+        (
+            [],
+            [ModelCheckpoint()],
+            r"`ModelCheckpoint`.*cannot run on the workers.*Trainer\(callbacks=\[ModelCheckpoint",
+        ),
         ([], [GradientAccumulationScheduler({0: 2})], r"Trainer\(callbacks=\[GradientAccumulationScheduler"),
     ],
 )
@@ -184,6 +195,19 @@ def test_callbacks_that_cannot_run_where_they_were_put(
     with pytest.raises(MisconfigurationException, match=match) as error:
         trainer.fit(Classifier())
     _assert_raised_before_spawning(error)
+
+
+def test_placing_on_the_controller_a_callback_that_sees_gradients_is_refused() -> None:
+    with pytest.raises(
+        MisconfigurationException, match=r"on_controller\(GradientPeeker\)`: it overrides `on_after_backward`"
+    ):
+        on_controller(GradientPeeker())
+
+
+@pytest.mark.parametrize("place", [on_workers, on_controller])
+def test_placing_what_is_not_a_callback_is_refused(place: Any) -> None:
+    with pytest.raises(TypeError, match=rf"`lightning_monarch.{place.__name__}\(42\)` places a Lightning `Callback`"):
+        place(42)
 
 
 def test_compiled_module_is_rejected_by_lightning() -> None:

@@ -16,9 +16,11 @@ import torch
 from lightning.pytorch.callbacks import (
     EarlyStopping,
     EMAWeightAveraging,
+    ModelPruning,
     ModelSummary,
     RichModelSummary,
     RichProgressBar,
+    Timer,
     TQDMProgressBar,
 )
 
@@ -118,10 +120,13 @@ def test_collectives_that_cannot_be_what_ddp_gives_raise(callback: L.Callback, m
         _fit(Classifier(), callbacks=[callback], enable_progress_bar=False, limit_train_batches=2, limit_val_batches=1)
 
 
-def test_a_checkpoint_after_the_stage_that_worker_callbacks_would_add_to_raises(tmp_path: Path) -> None:
+@pytest.mark.parametrize("given_to", ["Trainer", "MonarchStrategy"])
+def test_a_checkpoint_after_the_stage_that_worker_callbacks_would_add_to_raises(tmp_path: Path, given_to: str) -> None:
+    averaging = EMAWeightAveraging()
     trainer = _fit(
         Classifier(),
-        strategy=MonarchStrategy(worker_callbacks=[EMAWeightAveraging()]),
+        strategy=MonarchStrategy(worker_callbacks=[averaging] if given_to == "MonarchStrategy" else []),
+        callbacks=[averaging] if given_to == "Trainer" else [],
         enable_progress_bar=False,
         limit_train_batches=2,
         limit_val_batches=0,
@@ -132,6 +137,22 @@ def test_a_checkpoint_after_the_stage_that_worker_callbacks_would_add_to_raises(
         r" in `on_save_checkpoint`.*from a callback's `on_fit_end`",
     ):
         trainer.save_checkpoint(tmp_path / "after.ckpt")
+
+
+class SeesTheCallbacks(L.Callback):
+    """Records the names of the controller Trainer's callbacks when the fit starts."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.seen = [type(callback).__name__ for callback in trainer.callbacks]
+
+
+def test_callbacks_placed_on_the_workers_are_back_in_their_places_after_the_stage() -> None:
+    seer = SeesTheCallbacks()
+    given = [ModelPruning("l1_unstructured", amount=0.3), seer, EMAWeightAveraging(), Timer()]
+    trainer = _fit(Classifier(), callbacks=given, enable_progress_bar=False, limit_train_batches=2, limit_val_batches=0)
+    assert "ModelPruning" not in seer.seen and "EMAWeightAveraging" not in seer.seen
+    assert {"SeesTheCallbacks", "Timer"} <= set(seer.seen)
+    assert [callback for callback in trainer.callbacks if callback in given] == given
 
 
 class OpensAFileOnTheWorkers(Classifier):

@@ -306,7 +306,7 @@ def test_lightnings_device_and_throughput_monitors_log_from_the_workers(tmp_path
     on the workers; rank 0's values reach the controller's logger. Their values are timings and
     loads, so the measure is that they arrive as under ``ddp`` (names, steps), not parity."""
     monitors = [DeviceStatsMonitor(cpu_stats=True), ThroughputMonitor(batch_size_fn=lambda batch: len(batch[0]))]
-    _fit(Classifier(), tmp_path, [], strategy=MonarchStrategy(worker_callbacks=monitors), max_epochs=1)
+    _fit(Classifier(), tmp_path, monitors, max_epochs=1)
     with open(tmp_path / "metrics.csv") as file:
         rows = list(csv.DictReader(file))
     cpu = [

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -28,7 +28,7 @@ from lightning_monarch._compat.torch import tree_flatten
 from lightning_monarch.controller.features import preflight
 from lightning_monarch.controller.features.elastic import ElasticFit, HostsReturned, PreemptionNoticed
 from lightning_monarch.controller.features.rehearsal import rehearse
-from lightning_monarch.controller.loop.callbacks import check_controller_callbacks, check_worker_callbacks
+from lightning_monarch.controller.loop.callbacks import CallbackPlacement
 from lightning_monarch.controller.loop.mirrors import plan_loaders
 from lightning_monarch.controller.loop.plan import make_plan, states_can_travel
 from lightning_monarch.controller.loop.session import StageSession
@@ -118,6 +118,7 @@ class MonarchLauncher(lightning_compat.Launcher):
         datamodule = arguments.get("datamodule")
         loaders = {name: arguments[name] for name in loader_args if arguments.get(name) is not None}
         strategy = self._strategy
+        placement = CallbackPlacement(trainer.callbacks, strategy.worker_callbacks)  # type: ignore[attr-defined]
         fed = FedLoaders(
             loaders,
             len(strategy.parallel_devices or ()) * strategy.num_nodes,
@@ -125,7 +126,8 @@ class MonarchLauncher(lightning_compat.Launcher):
             refuse=self._refuse_feeding(stage),
         )
         try:
-            return self._launch(function, trainer, arguments, stage, module, datamodule, fed.loaders)
+            with placement.applied(trainer):
+                return self._launch(function, trainer, arguments, stage, module, datamodule, fed.loaders, placement)
         finally:
             fed.close()
             _TORCH_RNG.stage_ended()
@@ -139,9 +141,11 @@ class MonarchLauncher(lightning_compat.Launcher):
         module: LightningModule,
         datamodule: Optional[LightningDataModule],
         loaders: dict[str, Any],
+        placement: CallbackPlacement,
     ) -> Any:
-        """Run the stage on a mesh from the warm pool, its ``loaders`` as the workers get them."""
-        spec = self._stage_spec(stage, trainer, module, datamodule, loaders, arguments)
+        """Run the stage on a mesh from the warm pool, its ``loaders`` as the workers get them and
+        its callbacks where ``placement`` puts them."""
+        spec = self._stage_spec(stage, trainer, module, datamodule, loaders, arguments, placement.workers)
         if stage == "fit" and self._strategy.rehearse:
             self._rehearse(trainer, module, datamodule, loaders)
 
@@ -159,7 +163,9 @@ class MonarchLauncher(lightning_compat.Launcher):
                 spec = elastic.prepared(spec)
             while True:
                 try:
-                    session, result = self._run_stage(trainer, function, arguments, spec, mesh, module, warned, elastic)
+                    session, result = self._run_stage(
+                        trainer, function, arguments, spec, mesh, module, warned, elastic, placement.workers
+                    )
                     break
                 except HostsLostError as lost:
                     assert elastic is not None  # only an elastic fit's channel raises it
@@ -173,7 +179,9 @@ class MonarchLauncher(lightning_compat.Launcher):
                 # the world changed: the stage goes on from the resume point
                 warned.num_workers = mesh.num_workers
                 elastic.resume(arguments)
-                spec = elastic.prepared(self._stage_spec(stage, trainer, module, datamodule, loaders, arguments))
+                spec = elastic.prepared(
+                    self._stage_spec(stage, trainer, module, datamodule, loaders, arguments, placement.workers)
+                )
             warned.show_every_rank(mesh.take_warnings())
             if stage == "predict" and result is not None:
                 batch_sizes = [
@@ -208,6 +216,7 @@ class MonarchLauncher(lightning_compat.Launcher):
         module: LightningModule,
         warned: WorkerWarnings,
         elastic: Optional[ElasticFit],
+        worker_callbacks: list[Callback],
     ) -> tuple[StageSession, Any]:
         """Run Lightning's ``function`` with the controller's loop following the workers of
         ``mesh``, which run ``spec``; the session it ran and the function's result. A change of an
@@ -232,7 +241,7 @@ class MonarchLauncher(lightning_compat.Launcher):
                 channel,
                 module,
                 arguments.get("datamodule"),
-                strategy.worker_callbacks,
+                worker_callbacks,
                 spec.run_ahead,
                 self._snapshots(),
                 elastic,
@@ -306,11 +315,11 @@ class MonarchLauncher(lightning_compat.Launcher):
         datamodule: Optional[LightningDataModule],
         loaders: dict[str, Any],
         arguments: dict[str, Any],
+        worker_callbacks: list[Callback],
     ) -> StageSpec:
-        """Everything the workers need, checked and pickled before any of them starts."""
+        """Everything the workers need, checked and pickled before any of them starts: with
+        ``worker_callbacks`` for their Trainer."""
         strategy = self._strategy
-        check_controller_callbacks(trainer.callbacks)  # type: ignore[attr-defined]
-        check_worker_callbacks(strategy.worker_callbacks)
         profiler = trainer.profiler  # type: ignore[attr-defined]
         if not isinstance(profiler, PassThroughProfiler):
             rank_zero_warn(
@@ -324,7 +333,7 @@ class MonarchLauncher(lightning_compat.Launcher):
                 "LightningModule": module,
                 "LightningDataModule": datamodule,
                 "dataloaders": loaders,
-                "worker_callbacks": strategy.worker_callbacks,
+                "worker_callbacks": worker_callbacks,
             },
             script_dir,
         )
@@ -366,7 +375,7 @@ class MonarchLauncher(lightning_compat.Launcher):
                 trainer.callbacks,  # type: ignore[attr-defined]
                 strategy.max_ahead,
                 self._snapshots(),
-                states_travel=states_can_travel(module, strategy.worker_callbacks, sharding is not None),
+                states_travel=states_can_travel(module, worker_callbacks, sharding is not None),
             ),
         )
 

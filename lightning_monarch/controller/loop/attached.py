@@ -28,11 +28,14 @@ class AttachedStage:
         #: The session of the last sharded stage that ran, whose workers may still keep its shards.
         self.last_sharded: Optional[StageSession] = None
         self._last_state: Optional[CheckpointState] = None
+        #: The callbacks the last stage's workers ran.
+        self._last_worker_callbacks: list[Callback] = []
 
     def attach(self, session: Optional[StageSession]) -> None:
         """The session of the stage in progress, or ``None`` after it."""
         if session is None and self.session is not None:
             self._last_state = self.session.final_state or self._last_state
+            self._last_worker_callbacks = self.session.worker_callbacks
             if self.session.sharded:
                 self.last_sharded = self.session
         self.session = session
@@ -52,10 +55,11 @@ class AttachedStage:
             )
         return state
 
-    def add_worker_callbacks_state(self, checkpoint: dict[str, Any], worker_callbacks: list[Callback]) -> None:
+    def add_worker_callbacks_state(self, checkpoint: dict[str, Any]) -> None:
         """Add rank 0's worker callbacks' state to ``checkpoint``, as DDP's rank 0 would save it.
-        After the stage, the workers have dropped it: a worker callback that adds to checkpoints
-        then raises."""
+        After the stage, the workers have dropped it: a worker callback of the last stage that adds
+        to checkpoints then raises."""
+        worker_callbacks = self.session.worker_callbacks if self.session is not None else self._last_worker_callbacks
         writers = [
             type(callback).__name__
             for callback in worker_callbacks

@@ -1,16 +1,26 @@
-"""Where each callback may run under strategy="monarch", checked before any worker starts.
+"""Where each callback runs under strategy="monarch": placed before any worker starts.
 
-Runs on the controller. Callbacks passed to the Trainer run on the controller, once; the
-controller's module is a mirror without live parameters or gradients, so a callback that needs
-them must run on the workers (``MonarchStrategy(worker_callbacks=[...])``), where each rank runs
-it as under DDP. Callbacks that drive the loop or write files stay on the controller.
+Runs on the controller. The controller's module is a mirror without live parameters, gradients,
+batches or devices, so a callback runs where what it touches lives:
+
+- on the workers, on every rank as under DDP, when it reads or changes the live model: Lightning's
+  own callbacks that do so by their class (:data:`_NEED_LIVE_MODEL`), any callback that overrides a
+  hook that sees live gradients (:data:`GRADIENT_HOOKS`), and those the user places there with
+  :func:`on_workers` or ``MonarchStrategy(worker_callbacks=[...])``;
+- on the controller, once, when it reads metrics, steers the loop, writes rank-0 files or draws:
+  every other callback, and those the user places there with :func:`on_controller`.
+
+The workers' Trainer gets the worker callbacks; the controller's Trainer does without them while
+the stage runs (:class:`CallbackPlacement`) and has them back afterwards, in their places.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, Optional, TypeVar
 
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import (
     BaseFinetuning,
     BasePredictionWriter,
@@ -30,19 +40,23 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_monarch import namespaces
 from lightning_monarch.controller.features.stats import MeshStatsMonitor
+
+C = TypeVar("C")
 
 #: Callback hooks that see live gradients: Lightning calls them inside backward and the step.
 GRADIENT_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 
-#: Callbacks that change or read the live model, device or batches, and why; they run on the workers.
+#: Lightning's callbacks that change or read the live model, device or batches, and why; they run
+#: on the workers.
 _NEED_LIVE_MODEL = {
     BaseFinetuning: "freezes and unfreezes parameters and adds them to the optimizer",
     ModelPruning: "prunes the live parameters",
     WeightAveraging: "averages the live parameters",
     BasePredictionWriter: "writes each rank's predictions with their batch indices, which exist on the workers",
     DeviceStatsMonitor: "reads the stats of the device it runs on",
-    ThroughputMonitor: "measures the batches, which only the workers hold,",
+    ThroughputMonitor: "measures the batches, which only the workers hold",
 }
 
 #: Callbacks that change the loop itself on the workers in a way the controller's loop cannot
@@ -69,21 +83,107 @@ _UNSUPPORTED = {
 #: Callbacks that must see the whole run once: on the controller only.
 _CONTROLLER_ONLY = (Checkpoint, EarlyStopping, ProgressBar, GradientAccumulationScheduler, MeshStatsMonitor)
 
+#: The attribute :func:`on_workers` and :func:`on_controller` set: ``"workers"`` or ``"controller"``.
+_PLACED = "_lightning_monarch_placed"
+
+
+def on_workers(callback: C) -> C:
+    """Run ``callback`` (a ``Callback`` instance or class) on every worker under
+    ``strategy="monarch"``, as each DDP rank runs it, wherever it is given: in
+    ``Trainer(callbacks=[...])`` or returned by ``configure_callbacks``.
+
+    Runs on the controller. For a callback of your own that touches the live model, batches or
+    devices in hooks the rule does not place on the workers by itself (see
+    ``docs/migration.md``). What it logs with ``pl_module.log`` reaches the controller's loggers
+    once, as rank 0's. Usable as a decorator on the class.
+    """
+    return _place(callback, "workers", "on_workers")
+
+
+def on_controller(callback: C) -> C:
+    """Run ``callback`` (a ``Callback`` instance or class) once, on the controller, under
+    ``strategy="monarch"``, although Lightning's class or a gradient hook would place it on the
+    workers: for a callback that only reads metrics, writes files or draws. A hook that sees live
+    gradients never runs on the controller, so a callback that overrides one is refused.
+
+    Runs on the controller. Usable as a decorator on the class.
+    """
+    return _place(callback, "controller", "on_controller")
+
+
+def _place(callback: C, where: str, name: str) -> C:
+    namespaces.refuse_other_namespace(name, callback, __name__)
+    kind = callback if isinstance(callback, type) else type(callback)
+    if not (isinstance(kind, type) and issubclass(kind, Callback)):
+        raise TypeError(
+            f"`lightning_monarch.{name}({callback!r})` places a Lightning `Callback` (an instance or its class);"
+            f" give one, e.g. `{name}(MyCallback())` or `@{name}` on `class MyCallback(Callback)`."
+        )
+    hook = _gradient_hook(callback)
+    if where == "controller" and hook is not None:
+        raise MisconfigurationException(
+            f"`lightning_monarch.on_controller({kind.__name__})`: it overrides `{hook}`, which Lightning calls"
+            " inside backward and the optimizer step, on the workers: on the controller it would never run."
+            " Leave it on the workers (drop `on_controller`)."
+        )
+    setattr(callback, _PLACED, where)
+    return callback
+
+
+def _gradient_hook(callback: Any) -> Optional[str]:
+    return next((hook for hook in GRADIENT_HOOKS if is_overridden(hook, callback, Callback)), None)
+
+
+def runs_on_workers(callback: Callback) -> bool:
+    """Whether ``callback``, given to the controller's Trainer, runs on the workers."""
+    placed = getattr(callback, _PLACED, None)
+    if placed is not None:
+        return placed == "workers"
+    return isinstance(callback, tuple(_NEED_LIVE_MODEL)) or _gradient_hook(callback) is not None
+
+
+class CallbackPlacement:
+    """Runs on the controller, once per stage: the Trainer's callbacks split by where they run.
+
+    ``workers`` are ``MonarchStrategy(worker_callbacks=[...])`` and then the Trainer's callbacks
+    that run on the workers, in their order; ``controller`` the rest. Each is checked here, so
+    that a callback that can run on neither side is refused before any worker starts.
+    """
+
+    def __init__(self, trainer_callbacks: Iterable[Callback], worker_callbacks: Iterable[Callback]) -> None:
+        callbacks = list(trainer_callbacks)
+        for callback in callbacks:
+            _reject_unsupported(callback)
+        placed = [callback for callback in callbacks if runs_on_workers(callback)]
+        self.workers: list[Callback] = [*worker_callbacks, *placed]
+        self.controller: list[Callback] = [callback for callback in callbacks if callback not in placed]
+        check_worker_callbacks(self.workers)
+
+    @contextmanager
+    def applied(self, trainer: Trainer) -> Iterator[None]:
+        """The controller's Trainer without the worker callbacks while the stage runs; afterwards
+        with them back in their places, beside those Lightning added (``configure_callbacks``)."""
+        given = list(trainer.callbacks)  # type: ignore[attr-defined]
+        trainer.callbacks = [callback for callback in given if callback not in self.workers]  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            now = trainer.callbacks  # type: ignore[attr-defined]
+            kept = [callback for callback in given if callback in self.workers or callback in now]
+            trainer.callbacks = kept + [callback for callback in now if callback not in given]  # type: ignore[attr-defined]
+
 
 def check_controller_callbacks(callbacks: Iterable[Callback]) -> None:
-    """Reject Trainer callbacks that cannot run on the controller, naming where they can run."""
+    """Reject callbacks returned by ``configure_callbacks`` that cannot run on the controller,
+    naming where they can run: the module's own callbacks stay on the controller."""
     for callback in callbacks:
-        name = type(callback).__name__
         _reject_unsupported(callback)
-        reason = next((why for kind, why in _NEED_LIVE_MODEL.items() if isinstance(callback, kind)), None)
-        hook = next((hook for hook in GRADIENT_HOOKS if is_overridden(hook, callback, Callback)), None)
-        if reason is None and hook is not None:
-            reason = f"overrides `{hook}`, which needs live gradients,"
-        if reason is not None:
+        if runs_on_workers(callback):
+            name = type(callback).__name__
             raise MisconfigurationException(
-                f"`{name}` {reason} and cannot run on the controller under strategy='monarch', whose module"
-                f" holds no live parameters or gradients. Pass it in `MonarchStrategy(worker_callbacks=[{name}(...)])`"
-                " to run it on every worker, as under DDP."
+                f"`{name}`, returned by `configure_callbacks`, touches the live model and runs on the workers under"
+                f" strategy='monarch', where the module's `configure_callbacks` gives the workers' Trainer none."
+                f" Pass it to `Trainer(callbacks=[{name}(...)])` instead."
             )
 
 
@@ -94,8 +194,9 @@ def check_worker_callbacks(callbacks: Iterable[Callback]) -> None:
         if isinstance(callback, _CONTROLLER_ONLY):
             name = type(callback).__name__
             raise MisconfigurationException(
-                f"`MonarchStrategy(worker_callbacks=[{name}(...)])`: `{name}` steers the loop or writes files for"
-                f" the whole run, which the controller does once. Pass it to `Trainer(callbacks=[{name}(...)])`."
+                f"`{name}` steers the loop or writes files for the whole run, which the controller does once under"
+                f" strategy='monarch'; it cannot run on the workers. Pass it to `Trainer(callbacks=[{name}(...)])`"
+                " without `lightning_monarch.on_workers` or `MonarchStrategy(worker_callbacks=...)`."
             )
 
 

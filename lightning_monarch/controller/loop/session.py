@@ -89,7 +89,8 @@ class StageSession:
         self._channel = channel
         #: Whether the workers shard the module (``MonarchModelParallelStrategy``): its weights never come here.
         self.sharded = sharded
-        self._worker_callbacks = worker_callbacks
+        #: The callbacks the workers' Trainer runs (``controller.loop.callbacks``).
+        self.worker_callbacks = worker_callbacks
         self._module = module
         self._datamodule = datamodule
         self._gate_callback = GateCallback(self.around)
@@ -136,7 +137,7 @@ class StageSession:
         self._undo = [install_hook_gates(module, "module", MODULE_HOOKS, self.around)]
         if datamodule is not None:
             self._undo.append(install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, self.around))
-        if saves_on_workers(module, self._worker_callbacks):
+        if saves_on_workers(module, self.worker_callbacks):
             self._undo.append(
                 install_hook_gates(module, "checkpoint", ["on_save_checkpoint"], self.requests.on_save_checkpoint)
             )
@@ -343,7 +344,7 @@ class StageSession:
             self._plan.max_ahead,
             self._snapshots,
             plateau_intervals(self._trainer.lr_scheduler_configs),
-            states_can_travel(self._module, self._worker_callbacks, self.sharded),
+            states_can_travel(self._module, self.worker_callbacks, self.sharded),
         )
         plan = dataclasses.replace(plan, notices=self._plan.notices)
         if plan == self._plan:
