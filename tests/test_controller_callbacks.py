@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.callbacks import (
     EarlyStopping,
     EMAWeightAveraging,
+    LambdaCallback,
     ModelPruning,
     ModelSummary,
     RichModelSummary,
@@ -24,7 +25,8 @@ from lightning.pytorch.callbacks import (
     TQDMProgressBar,
 )
 
-from lightning_monarch import MonarchStrategy
+from lightning_monarch import DivergenceError, MonarchStrategy
+from tests.compat_models import shrink_weights
 from tests.models import Classifier
 from tests.parity_cases import SEED
 
@@ -137,6 +139,58 @@ def test_a_checkpoint_after_the_stage_that_worker_callbacks_would_add_to_raises(
         r" in `on_save_checkpoint`.*from a callback's `on_fit_end`",
     ):
         trainer.save_checkpoint(tmp_path / "after.ckpt")
+
+
+class ReadsTheWeights(L.Callback):
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.log("weight_norm", torch.stack([parameter.norm() for parameter in pl_module.parameters()]).sum())
+
+
+class CountsTheParameters(L.Callback):
+    """Reads only the parameters' shapes, which the controller's mirror has: it may stay there."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.count = sum(parameter.numel() for parameter in pl_module.parameters())
+
+
+def _set_learning_rate(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    trainer.optimizers[0].param_groups[0]["lr"] = 0.5
+
+
+@pytest.mark.parametrize(
+    ("callback", "match"),
+    [
+        (
+            LambdaCallback(on_train_epoch_start=shrink_weights),
+            r"`LambdaCallback.on_train_epoch_start` touched `net.0.weight` \(`mul_`\) on the controller .*"
+            r" never reaches the workers.*`Trainer\(callbacks=\[lightning_monarch.on_workers\(LambdaCallback\(...\)\)\]\)`",
+        ),
+        (
+            ReadsTheWeights(),
+            r"`ReadsTheWeights.on_train_epoch_end` touched `net.0.weight` \(`norm`\).*not what each ddp",
+        ),
+        (
+            LambdaCallback(
+                on_train_batch_start=lambda trainer, module, batch, index: _set_learning_rate(trainer, module)
+            ),
+            r"`LambdaCallback.on_train_batch_start` touched the optimizer's `lr` on the controller",
+        ),
+    ],
+    ids=["writes-weights", "reads-weights", "sets-the-learning-rate"],
+)
+def test_a_controller_callback_that_touches_the_mirror_raises_at_that_moment(callback: L.Callback, match: str) -> None:
+    """Nothing a controller callback does to the module or optimizer mirrors is silently lost: it
+    raises at that hook. With ``on_workers`` the weight-changing one gives ``ddp``'s weights (parity:
+    ``weights_lambda_on_workers``)."""
+    with pytest.raises(DivergenceError, match=match):
+        _fit(Classifier(), callbacks=[callback], enable_progress_bar=False, limit_train_batches=2, limit_val_batches=0)
+
+
+def test_a_controller_callback_may_read_the_parameters_shapes() -> None:
+    counter = CountsTheParameters()
+    model = Classifier()
+    _fit(model, callbacks=[counter], enable_progress_bar=False, limit_train_batches=2, limit_val_batches=0)
+    assert counter.count == sum(parameter.numel() for parameter in model.parameters())
 
 
 class SeesTheCallbacks(L.Callback):

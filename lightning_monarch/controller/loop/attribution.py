@@ -2,26 +2,31 @@
 
 Runs on the controller, for a stage's ``StageSession``: the hooks of every callback of the
 controller's Trainer are wrapped for the stage, so that a read of live worker state or a change of
-control state where the workers did not wait names the callback and the hook that made it.
+control state where the workers did not wait names the callback and the hook that made it, and so
+that a hook that touches the module mirror's tensors raises (``controller.loop.mirror_guard``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from typing import Any, Optional
 
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_monarch.controller.loop.mirror_guard import MirrorGuard, is_guarded
 from lightning_monarch.gates import install_hook_gates
 from lightning_monarch.protocol import CALLBACK_HOOKS
 
 
 class CallbackAttribution:
     """Runs on the controller: the controller callback whose hook runs now, and those that ran
-    since the controller's loop took its last gate."""
+    since the controller's loop took its last gate. Each hook of a guarded callback runs under
+    ``guard`` (``controller.loop.mirror_guard``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, guard: MirrorGuard) -> None:
+        self._guard = guard
         #: The callback whose hook runs now, and the hook.
         self.calling: Optional[tuple[Callback, str]] = None
         #: The callbacks' hooks that ran since the last gate.
@@ -44,11 +49,15 @@ class CallbackAttribution:
         )
 
     def _running(self, callback: Callback) -> Callable[..., Any]:
+        guarded = is_guarded(callback)
+
         def around(gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-            previous, self.calling = self.calling, (callback, gate.split(".", 1)[1])
+            hook = gate.split(".", 1)[1]
+            previous, self.calling = self.calling, (callback, hook)
             self.ran.append(self.calling)
             try:
-                return fn(*args, **kwargs)
+                with self._guard.guarding(callback, hook) if guarded else nullcontext():
+                    return fn(*args, **kwargs)
             finally:
                 self.calling = previous
 

@@ -33,6 +33,7 @@ from lightning_monarch.controller.loop.attribution import CallbackAttribution
 from lightning_monarch.controller.loop.callbacks import check_controller_callbacks
 from lightning_monarch.controller.loop.entries import EntryQueue
 from lightning_monarch.controller.loop.metrics import MetricOrigins, mirror_metrics
+from lightning_monarch.controller.loop.mirror_guard import MirrorGuard
 from lightning_monarch.controller.loop.mirrors import OptimizerMirror, WorkerLoaders, optimizer_mirrors, plan_loaders
 from lightning_monarch.controller.loop.plan import (
     PLAN_GATES,
@@ -119,7 +120,7 @@ class StageSession:
         #: Rank 0's checkpoint state and the entry it belongs to (R5, R6).
         self._state: Optional[tuple[Optional[Entry], CheckpointState]] = None
         #: The controller callback whose hook runs now, and those that ran since the last gate.
-        self._attribution = CallbackAttribution()
+        self._attribution = CallbackAttribution(MirrorGuard(trainer, module))
         self._undo: list[Callable[[], None]] = []
         self._ended: Optional[Entry] = None
         self.loaders = WorkerLoaders(self.peek)
