@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
     ModelPruning,
+    SpikeDetection,
 )
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
@@ -186,6 +187,7 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "pruning": lambda out: Case(
         models.Classifier(), callbacks=[ModelPruning("l1_unstructured", amount=0.3)], save_after_fit=False
     ),
+    "spike_detection": lambda out: Case(models.Classifier(), callbacks=[SpikeDetection(warmup=2)]),
     "weights_lambda_on_workers": lambda out: Case(
         models.Classifier(), callbacks=[on_workers(LambdaCallback(on_train_epoch_start=compat.shrink_weights))]
     ),

@@ -33,6 +33,7 @@ from lightning.pytorch.callbacks import (
     ModelPruning,
     OnExceptionCheckpoint,
     ProgressBar,
+    SpikeDetection,
     StochasticWeightAveraging,
     ThroughputMonitor,
     WeightAveraging,
@@ -48,8 +49,8 @@ C = TypeVar("C")
 #: Callback hooks that see live gradients: Lightning calls them inside backward and the step.
 GRADIENT_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 
-#: Lightning's callbacks that change or read the live model, device or batches, and why; they run
-#: on the workers.
+#: Lightning's callbacks that change or read the live model, device, batches or each rank's
+#: outputs, and why; they run on the workers.
 _NEED_LIVE_MODEL = {
     BaseFinetuning: "freezes and unfreezes parameters and adds them to the optimizer",
     ModelPruning: "prunes the live parameters",
@@ -57,6 +58,7 @@ _NEED_LIVE_MODEL = {
     BasePredictionWriter: "writes each rank's predictions with their batch indices, which exist on the workers",
     DeviceStatsMonitor: "reads the stats of the device it runs on",
     ThroughputMonitor: "measures the batches, which only the workers hold",
+    SpikeDetection: "watches each rank's own loss and combines the ranks' findings",
 }
 
 #: Callbacks that change the loop itself on the workers in a way the controller's loop cannot
