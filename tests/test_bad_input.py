@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import (
     EarlyStopping,
     GradientAccumulationScheduler,
     ModelCheckpoint,
+    OnExceptionCheckpoint,
     StochasticWeightAveraging,
 )
 from lightning.pytorch.plugins.precision import Precision
@@ -195,6 +196,17 @@ def test_callbacks_that_cannot_run_where_they_were_put(
     with pytest.raises(MisconfigurationException, match=match) as error:
         trainer.fit(Classifier())
     _assert_raised_before_spawning(error)
+
+
+def test_a_refused_on_exception_checkpoint_writes_nothing(tmp_path: Path) -> None:
+    """Lightning runs every callback's ``on_exception`` for the refusal; the refused callback's is
+    not among them, so no checkpoint of the controller's mirror is written."""
+    saver = OnExceptionCheckpoint(dirpath=str(tmp_path))
+    trainer = _trainer(callbacks=[saver], enable_checkpointing=True)
+    with pytest.raises(MisconfigurationException, match=r"`OnExceptionCheckpoint` saves the workers' state"):
+        trainer.fit(Classifier())
+    assert list(tmp_path.iterdir()) == []
+    assert saver in trainer.callbacks
 
 
 def test_placing_on_the_controller_a_callback_that_sees_gradients_is_refused() -> None:

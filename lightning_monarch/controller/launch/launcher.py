@@ -20,6 +20,7 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule, Tr
 from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_monarch import library_settings
@@ -28,7 +29,7 @@ from lightning_monarch._compat.torch import tree_flatten
 from lightning_monarch.controller.features import preflight
 from lightning_monarch.controller.features.elastic import ElasticFit, HostsReturned, PreemptionNoticed
 from lightning_monarch.controller.features.rehearsal import rehearse
-from lightning_monarch.controller.loop.callbacks import CallbackPlacement
+from lightning_monarch.controller.loop.callbacks import CallbackPlacement, set_aside_refused
 from lightning_monarch.controller.loop.mirrors import plan_loaders
 from lightning_monarch.controller.loop.plan import make_plan, states_can_travel
 from lightning_monarch.controller.loop.session import StageSession
@@ -118,7 +119,11 @@ class MonarchLauncher(lightning_compat.Launcher):
         datamodule = arguments.get("datamodule")
         loaders = {name: arguments[name] for name in loader_args if arguments.get(name) is not None}
         strategy = self._strategy
-        placement = CallbackPlacement(trainer.callbacks, strategy.worker_callbacks)  # type: ignore[attr-defined]
+        try:
+            placement = CallbackPlacement(trainer.callbacks, strategy.worker_callbacks)  # type: ignore[attr-defined]
+        except MisconfigurationException:
+            strategy._keep_until_exception_handled(set_aside_refused(trainer))
+            raise
         fed = FedLoaders(
             loaders,
             len(strategy.parallel_devices or ()) * strategy.num_nodes,

@@ -16,7 +16,7 @@ the stage runs (:class:`CallbackPlacement`) and has them back afterwards, in the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional, TypeVar
 
@@ -175,6 +175,19 @@ class CallbackPlacement:
             trainer.callbacks = kept + [callback for callback in now if callback not in given]  # type: ignore[attr-defined]
 
 
+def set_aside_refused(trainer: Trainer) -> Callable[[], None]:
+    """Take the callbacks :class:`CallbackPlacement` refuses out of ``trainer`` until Lightning has
+    run its exception hooks for the refusal, and return what puts them back: a refused callback
+    acts on nothing, so ``OnExceptionCheckpoint`` does not save the controller's mirror."""
+    given = list(trainer.callbacks)  # type: ignore[attr-defined]
+    trainer.callbacks = [callback for callback in given if _refusal(callback) is None]  # type: ignore[attr-defined]
+
+    def put_back() -> None:
+        trainer.callbacks = given  # type: ignore[attr-defined]
+
+    return put_back
+
+
 def check_controller_callbacks(callbacks: Iterable[Callback]) -> None:
     """Reject callbacks returned by ``configure_callbacks`` that cannot run on the controller,
     naming where they can run: the module's own callbacks stay on the controller."""
@@ -202,10 +215,16 @@ def check_worker_callbacks(callbacks: Iterable[Callback]) -> None:
             )
 
 
+def _refusal(callback: Callback) -> Optional[tuple[str, str]]:
+    """Why ``callback`` can run neither on the controller nor on the workers, and the fix; or ``None``."""
+    return next((refusal for kind, refusal in _UNSUPPORTED.items() if isinstance(callback, kind)), None)
+
+
 def _reject_unsupported(callback: Callback) -> None:
-    for kind, (reason, fix) in _UNSUPPORTED.items():
-        if isinstance(callback, kind):
-            raise MisconfigurationException(
-                f"`{type(callback).__name__}` {reason}, which the controller's loop under strategy='monarch'"
-                f" cannot follow. {fix}."
-            )
+    refusal = _refusal(callback)
+    if refusal is not None:
+        reason, fix = refusal
+        raise MisconfigurationException(
+            f"`{type(callback).__name__}` {reason}, which the controller's loop under strategy='monarch'"
+            f" cannot follow. {fix}."
+        )
