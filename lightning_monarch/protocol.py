@@ -48,6 +48,7 @@ R8. A worker's failure ends its stage. The controller raises it after it has rep
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Any, Optional
 
 from typing_extensions import override
@@ -207,10 +208,18 @@ def _gate_table() -> dict[str, Gate]:
     return table
 
 
-#: Trainer attributes that steer the loop and that callbacks or module code may change: every entry
-#: carries rank 0's (R3), and a ``Release`` the controller's changes (R5). EarlyStopping sets
-#: ``should_stop``; GradientAccumulationScheduler sets ``accumulate_grad_batches``.
-CONTROL_STATE: tuple[str, ...] = ("should_stop", "accumulate_grad_batches")
+#: Trainer attributes (dotted paths) that steer the loop and that callbacks or module code may
+#: change: every entry carries rank 0's (R3), and a ``Release`` the controller's changes (R5).
+#: EarlyStopping sets ``should_stop``; GradientAccumulationScheduler sets
+#: ``accumulate_grad_batches``; StochasticWeightAveraging adds an epoch to ``fit_loop.max_epochs``
+#: to recompute batch-norm statistics, without backward (``fit_loop._skip_backward``, a private
+#: attribute that ``_compat.lightning.PRIVATE_NAMES`` lists).
+CONTROL_STATE: tuple[str, ...] = (
+    "should_stop",
+    "accumulate_grad_batches",
+    "fit_loop.max_epochs",
+    "fit_loop._skip_backward",
+)
 
 
 #: The gate where a training stage is snapshotted for recovery: the start of a training epoch,
@@ -235,7 +244,14 @@ METRIC_VIEWS: tuple[str, ...] = ("callback_metrics", "progress_bar_metrics", "lo
 
 def control_state(trainer: Any) -> dict[str, Any]:
     """The :data:`CONTROL_STATE` of ``trainer``."""
-    return {name: getattr(trainer, name) for name in CONTROL_STATE}
+    return {name: attrgetter(name)(trainer) for name in CONTROL_STATE}
+
+
+def set_control_state(trainer: Any, control: dict[str, Any]) -> None:
+    """Set ``trainer``'s :data:`CONTROL_STATE` to the values in ``control``."""
+    for name, value in control.items():
+        owner, _, attribute = name.rpartition(".")
+        setattr(attrgetter(owner)(trainer) if owner else trainer, attribute, value)
 
 
 def gate_id(owner: str, hook: str) -> str:
@@ -399,6 +415,8 @@ class Entry:
     logger_calls: list[LoggerCall] = field(default_factory=list)
     #: Each optimizer's hyperparameters, at the gates ``LearningRateMonitor`` reads them.
     param_groups: Optional[list[list[dict[str, Any]]]] = None
+    #: The LR scheduler configs (``specs.SchedulerConfigRef``), when they changed.
+    lr_scheduler_configs: Optional[tuple[Any, ...]] = None
     #: Manual optimization's step count (``trainer.global_step``), when it changed.
     manual_steps: Optional[dict[str, Any]] = None
     #: Rank 0's three metric views, where :attr:`RunAhead.views` or :attr:`RunAhead.states` asks.

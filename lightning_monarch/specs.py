@@ -251,6 +251,40 @@ class SchedulerRef:
 
 
 @dataclass(frozen=True)
+class SchedulerConfigRef:
+    """One of a Trainer's LR scheduler configs (``trainer.lr_scheduler_configs``), described: how
+    Lightning's loop steps its scheduler. Rank 0 sends its configs when they change, as
+    ``StochasticWeightAveraging`` changes them on the workers, and the controller's loop follows
+    (``controller.loop.mirrors.follow_scheduler_configs``)."""
+
+    optimizer_index: int
+    reduce_on_plateau: bool
+    interval: str
+    frequency: int
+    monitor: Optional[str]
+    strict: bool
+    name: Optional[str]
+
+    @classmethod
+    def describe(cls, configs: list[Any], optimizers: list[Any]) -> tuple[SchedulerConfigRef, ...]:
+        """``configs`` described, each scheduler's optimizer by its index in ``optimizers``."""
+        return tuple(
+            cls(
+                optimizer_index=next(
+                    (index for index, optimizer in enumerate(optimizers) if optimizer is config.scheduler.optimizer), -1
+                ),
+                reduce_on_plateau=config.reduce_on_plateau,
+                interval=config.interval,
+                frequency=config.frequency,
+                monitor=config.monitor,
+                strict=config.strict,
+                name=config.name,
+            )
+            for config in configs
+        )
+
+
+@dataclass(frozen=True)
 class LoaderRef:
     """A dataloader that a ``*_dataloader`` hook returned; the controller iterates batch indices."""
 

@@ -339,6 +339,15 @@ class GrowingDataClassifier(Classifier):
         return DataLoader(ClassificationData(64 + 16 * self.current_epoch), batch_size=8, shuffle=True)
 
 
+class NormClassifier(Classifier):
+    """A classifier with batch norm: ``StochasticWeightAveraging`` then recomputes its statistics
+    in one more epoch at the end of training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+
+
 def shrink_weights(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
     """A ``LambdaCallback`` hook that changes the weights: each epoch starts from them halved."""
     with torch.no_grad():

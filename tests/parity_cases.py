@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import (
     ModelCheckpoint,
     ModelPruning,
     SpikeDetection,
+    StochasticWeightAveraging,
 )
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
@@ -186,6 +187,15 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "ema_weights": lambda out: Case(models.Classifier(), callbacks=[EMAWeightAveraging()], save_after_fit=False),
     "pruning": lambda out: Case(
         models.Classifier(), callbacks=[ModelPruning("l1_unstructured", amount=0.3)], save_after_fit=False
+    ),
+    "swa": lambda out: Case(
+        models.Classifier(), {"max_epochs": 3}, [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)]
+    ),
+    "swa_step_scheduler": lambda out: Case(
+        models.SchedulerClassifier(), {"max_epochs": 3}, [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=2)]
+    ),
+    "swa_batch_norm": lambda out: Case(
+        compat.NormClassifier(), {"max_epochs": 3}, [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)]
     ),
     "spike_detection": lambda out: Case(models.Classifier(), callbacks=[SpikeDetection(warmup=2)]),
     "weights_lambda_on_workers": lambda out: Case(

@@ -16,9 +16,9 @@ from lightning.pytorch.callbacks import (
     BatchSizeFinder,
     EarlyStopping,
     GradientAccumulationScheduler,
+    LearningRateFinder,
     ModelCheckpoint,
     OnExceptionCheckpoint,
-    StochasticWeightAveraging,
 )
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -178,8 +178,8 @@ class GradientPeeker(L.Callback):
             [],
             r"`GradientAccumulationScheduler` steers",
         ),
-        ([StochasticWeightAveraging(swa_lrs=0.1)], [], r"StochasticWeightAveraging.*AveragedModel"),
-        ([], [StochasticWeightAveraging(swa_lrs=0.1)], r"StochasticWeightAveraging.*AveragedModel"),
+        ([LearningRateFinder()], [], r"LearningRateFinder` runs trial fits.*devices=1"),
+        ([], [LearningRateFinder()], r"LearningRateFinder` runs trial fits.*devices=1"),
         ([BatchSizeFinder()], [], r"BatchSizeFinder` runs trial fits.*devices=1"),
         (
             [],

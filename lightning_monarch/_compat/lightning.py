@@ -86,6 +86,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "trainer._logger_connector": ("_callback_metrics", "_logged_metrics", "_progress_bar_metrics"),
     "trainer._checkpoint_connector": ("_parse_ckpt_path",),
     "trainer.fit_loop": (
+        "_skip_backward",  # in the control state (``protocol.CONTROL_STATE``)
         "_load_from_state_dict",
         "_restarting",
         "_loaded_from_state_dict",

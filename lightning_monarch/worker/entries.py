@@ -17,6 +17,7 @@ from lightning.pytorch import Trainer
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch._compat import loops as loops_compat
 from lightning_monarch.protocol import METRIC_VIEWS, Entry, LoggerCall, control_state
+from lightning_monarch.specs import SchedulerConfigRef
 from lightning_monarch.worker.describe import param_group_hyperparameters, to_cpu
 from lightning_monarch.worker.state import RankState
 
@@ -99,6 +100,10 @@ class EntryRecorder:
             param_groups=[param_group_hyperparameters(optimizer) for optimizer in self._trainer.optimizers]
             if gate in _PARAM_GROUP_GATES
             else None,
+            lr_scheduler_configs=self._changed(
+                "lr_scheduler_configs",
+                SchedulerConfigRef.describe(self._trainer.lr_scheduler_configs, self._trainer.optimizers),
+            ),
             manual_steps=self._manual_steps(),
             views=metric_views,
             checkpoint=self._state.checkpoint_state(copy=True) if staged else None,

@@ -39,6 +39,7 @@ from lightning_monarch.protocol import (
     RankStatus,
     Release,
     RunAhead,
+    set_control_state,
 )
 from lightning_monarch.reports import PredictionShard, WorkerFailure
 from lightning_monarch.specs import RankSnapshot
@@ -420,8 +421,7 @@ class StageLoop:
                     self._cond.acquire()
                     item.done.set()
             self._parked = False
-        for name, value in item.control.items():
-            setattr(self._trainer, name, value)
+        set_control_state(self._trainer, item.control)
         if item.plan is not None:
             self._plan = item.plan
 

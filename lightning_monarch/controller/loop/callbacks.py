@@ -59,6 +59,7 @@ _NEED_LIVE_MODEL = {
     DeviceStatsMonitor: "reads the stats of the device it runs on",
     ThroughputMonitor: "measures the batches, which only the workers hold",
     SpikeDetection: "watches each rank's own loss and combines the ranks' findings",
+    StochasticWeightAveraging: "averages the live parameters and swaps the LR schedulers",
 }
 
 #: Callbacks that change the loop itself on the workers in a way the controller's loop cannot
@@ -75,10 +76,6 @@ _UNSUPPORTED = {
     OnExceptionCheckpoint: (
         "saves the workers' state after a failure, when a failed worker can no longer give it",
         "Keep `ModelCheckpoint(save_last=True)` to resume from the last good checkpoint",
-    ),
-    StochasticWeightAveraging: (
-        "swaps the LR schedulers on the workers mid-training",
-        "Average the weights in your module with `torch.optim.swa_utils.AveragedModel`, or use strategy='ddp'",
     ),
 }
 

@@ -8,15 +8,17 @@ dataloaders to exist; these mirrors give it what it reads (hyperparameters for
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
 from lightning_monarch._compat.torch import tree_flatten, tree_unflatten
 from lightning_monarch.reports import CheckpointState
-from lightning_monarch.specs import LoaderRef, OptimizerRef, SchedulerRef
+from lightning_monarch.specs import LoaderRef, OptimizerRef, SchedulerConfigRef, SchedulerRef
 
 StateSource = Callable[[], CheckpointState]
 
@@ -201,6 +203,39 @@ def plan_loaders(description: Any, stage: str, loaders: WorkerLoaders) -> Any:
         for index, ref in enumerate(refs)
     ]
     return tree_unflatten(plans, spec)
+
+
+def follow_optimizers(
+    trainer: Trainer,
+    param_groups: Optional[list[list[dict[str, Any]]]],
+    configs: Optional[tuple[SchedulerConfigRef, ...]],
+    state: StateSource,
+) -> None:
+    """The optimizer and LR scheduler mirrors after one of rank 0's entries: its optimizers'
+    ``param_groups`` hyperparameters, and its scheduler ``configs`` (each ``None`` where the entry
+    carries none). Where a callback replaced rank 0's configs (``StochasticWeightAveraging`` swaps
+    in its ``SWALR``), the controller's loop takes mirrors of the new ones, each standing for rank
+    0's scheduler at its place in the list, and steps them as rank 0 steps its own."""
+    optimizers = cast(list[OptimizerMirror], trainer.optimizers)
+    for mirror, groups in zip(optimizers, param_groups or (), strict=False):
+        if isinstance(mirror, OptimizerMirror):  # not Lightning's stand-in when there is no optimizer
+            mirror.update_hyperparameters(groups)
+    if configs is None or SchedulerConfigRef.describe(trainer.lr_scheduler_configs, optimizers) == configs:
+        return
+    trainer.strategy.lr_scheduler_configs = [
+        LRSchedulerConfig(
+            (PlateauMirror if ref.reduce_on_plateau else SchedulerMirror)(
+                optimizers[ref.optimizer_index], index, state
+            ),
+            name=ref.name,
+            interval=ref.interval,
+            frequency=ref.frequency,
+            reduce_on_plateau=ref.reduce_on_plateau,
+            monitor=ref.monitor,
+            strict=ref.strict,
+        )
+        for index, ref in enumerate(configs)
+    ]
 
 
 def optimizer_mirrors(description: Any, closure_runs: Callable[[], int], state: StateSource) -> Any:

@@ -34,7 +34,7 @@ from lightning_monarch.controller.loop.callbacks import check_controller_callbac
 from lightning_monarch.controller.loop.entries import EntryQueue
 from lightning_monarch.controller.loop.metrics import MetricOrigins, mirror_metrics
 from lightning_monarch.controller.loop.mirror_guard import MirrorGuard
-from lightning_monarch.controller.loop.mirrors import OptimizerMirror, WorkerLoaders, optimizer_mirrors, plan_loaders
+from lightning_monarch.controller.loop.mirrors import WorkerLoaders, follow_optimizers, optimizer_mirrors, plan_loaders
 from lightning_monarch.controller.loop.plan import (
     PLAN_GATES,
     is_observe_only,
@@ -64,6 +64,7 @@ from lightning_monarch.protocol import (
     SnapshotEpochs,
     control_state,
     gate_id,
+    set_control_state,
 )
 from lightning_monarch.reports import CheckpointState, ModuleAttributes
 
@@ -289,8 +290,7 @@ class StageSession:
     def _apply(self, entry: Entry) -> None:
         trainer = self._trainer
         self._warned.show_rank0(entry.warnings)
-        for name, value in entry.control.items():
-            setattr(trainer, name, value)
+        set_control_state(trainer, entry.control)
         for call in entry.logger_calls:
             logger = trainer.loggers[call.logger_index]
             if call.method.startswith("experiment."):
@@ -300,9 +300,7 @@ class StageSession:
             getattr(target, call.method.rsplit(".", 1)[-1])(*call.args, **call.kwargs)
             if call.method == "log_metrics":
                 logger.save()
-        for mirror, groups in zip(trainer.optimizers, entry.param_groups or (), strict=False):
-            if isinstance(mirror, OptimizerMirror):  # not Lightning's stand-in when there is no optimizer
-                mirror.update_hyperparameters(groups)
+        follow_optimizers(trainer, entry.param_groups, entry.lr_scheduler_configs, self.checkpoint_state)
         if entry.manual_steps is not None:
             lightning_compat.manual_step_progress(trainer).load_state_dict(entry.manual_steps)
         self._views = entry.views
