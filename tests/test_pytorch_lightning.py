@@ -46,7 +46,8 @@ pytestmark = pytest.mark.timeout(900)
 #: The parity cases run again in ``pytorch_lightning``'s namespace: a third of ``CASES``, with the
 #: progress bar and model summary on (``plain``), ``ModelCheckpoint``'s top-k and ``last.ckpt``
 #: (every case with the default callbacks, ``top_k_last``, ``checkpoint_every_n_steps``), a resume,
-#: manual optimization (``manual_gan``), worker callbacks, run-ahead views and per-rank predictions.
+#: manual optimization (``manual_gan``), run-ahead views, per-rank predictions, and Lightning's
+#: callbacks that run on the workers (``backbone_finetuning`` to ``weights_lambda_on_workers``).
 PL_CASES = (
     "plain",
     "accumulate_clip",
@@ -65,6 +66,12 @@ PL_CASES = (
     "checkpoint_every_n_steps",
     "metric_views",
     "prediction_writer",
+    "backbone_finetuning",
+    "pruning",
+    "ema_weights",
+    "swa_batch_norm",
+    "spike_detection",
+    "weights_lambda_on_workers",
 )
 #: The sharded case, compared to ``ddp`` as ``tests/test_fsdp.py`` compares it, to float tolerance.
 SHARDED = "fsdp_policy"
