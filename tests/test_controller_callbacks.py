@@ -13,6 +13,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from finetuning_scheduler import FinetuningScheduler, FTSCheckpoint, FTSEarlyStopping
 from lightning.pytorch.callbacks import (
     EarlyStopping,
     EMAWeightAveraging,
@@ -25,7 +26,8 @@ from lightning.pytorch.callbacks import (
     TQDMProgressBar,
 )
 
-from lightning_monarch import DivergenceError, MonarchStrategy
+from lightning_monarch import DivergenceError, MonarchStrategy, on_controller
+from lightning_monarch.controller.loop.callbacks import CallbackPlacement
 from tests.compat_models import shrink_weights
 from tests.models import Classifier
 from tests.parity_cases import SEED
@@ -191,6 +193,18 @@ def test_a_controller_callback_may_read_the_parameters_shapes() -> None:
     model = Classifier()
     _fit(model, callbacks=[counter], enable_progress_bar=False, limit_train_batches=2, limit_val_batches=0)
     assert counter.count == sum(parameter.numel() for parameter in model.parameters())
+
+
+def test_a_librarys_callbacks_run_beside_the_one_that_runs_on_the_workers() -> None:
+    """finetuning-scheduler's scheduler goes to the workers by its class (``BaseFinetuning``); its
+    early-stopping and checkpoint subclasses follow it there, unless placed on the controller. The
+    run itself is the client tier's ``finetuning_scheduler``, compared with ``ddp``."""
+    scheduler, stopping, checkpointing = FinetuningScheduler(), FTSEarlyStopping(monitor="val_loss"), FTSCheckpoint()
+    bar, timer = TQDMProgressBar(), Timer()
+    placement = CallbackPlacement([bar, scheduler, stopping, checkpointing, timer], [])
+    assert placement.workers == [scheduler, stopping, checkpointing] and placement.holds_checkpoints
+    kept = CallbackPlacement([scheduler, on_controller(FTSEarlyStopping(monitor="val_loss"))], [])
+    assert kept.workers == [scheduler] and not kept.holds_checkpoints
 
 
 class SeesTheCallbacks(L.Callback):

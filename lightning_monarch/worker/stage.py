@@ -4,8 +4,9 @@ Runs in each worker process. The worker's Trainer is Lightning's own, with ``DDP
 torch elastic environment that Monarch set up for this rank (``ModelParallelStrategy`` when the
 module is sharded, see ``worker.sharding``); it gets the controller's loop flags
 (R1), a gate callback first in its callback list, and gates on the module's hooks (R2). It has
-no progress bar, checkpoint callback or model summary, nor the callbacks installed packages register
-through entry points: those run once, on the controller.
+no progress bar or model summary, no checkpoint callback but a library's that runs beside its
+companions, nor the callbacks installed packages register through entry points: those run once,
+on the controller.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Optional, cast
 import torch
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_monarch._compat import lightning as lightning_compat
@@ -23,7 +25,7 @@ from lightning_monarch.codec import Parcel, open_parcel
 from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.memory_files import MemoryFile
 from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS
-from lightning_monarch.specs import StageSpec
+from lightning_monarch.specs import StageSpec, TrainerConfig
 from lightning_monarch.worker.entries import EntryRecorder
 from lightning_monarch.worker.logger import recording_loggers
 from lightning_monarch.worker.loop import StageLoop
@@ -40,6 +42,21 @@ _STAGE_KWARGS = {
     "test": {"verbose": False},
     "predict": {"return_predictions": False},
 }
+
+
+def _ddp_strategy(config: TrainerConfig, parallel_devices: Optional[list[torch.device]]) -> DDPStrategy:
+    """The worker's ``DDPStrategy``, named as ``Trainer(strategy="ddp")`` names it to libraries that
+    read the name (finetuning-scheduler checks it against the strategies it supports)."""
+    strategy = DDPStrategy(
+        cluster_environment=TorchElasticEnvironment(),
+        parallel_devices=parallel_devices,
+        process_group_backend=config.process_group_backend,
+        **config.ddp_kwargs,
+    )
+    strategy.strategy_name = (  # type: ignore[attr-defined]
+        "ddp_find_unused_parameters_true" if config.ddp_kwargs.get("find_unused_parameters") else "ddp"
+    )
+    return strategy
 
 
 def build_stage(
@@ -98,12 +115,7 @@ def _build(
             num_nodes=config.num_nodes,
             strategy=sharded_strategy(config, parallel_devices)
             if config.sharding is not None
-            else DDPStrategy(
-                cluster_environment=TorchElasticEnvironment(),
-                parallel_devices=parallel_devices,
-                process_group_backend=config.process_group_backend,
-                **config.ddp_kwargs,
-            ),
+            else _ddp_strategy(config, parallel_devices),
             # ``str(trainer.precision)`` of the controller's Trainer: one of the values Lightning's ``precision`` accepts
             precision=cast(Any, config.precision),
             callbacks=[
@@ -112,7 +124,8 @@ def _build(
                 *([RehearsalRecorder()] if spec.rehearsal else []),
             ],
             logger=loggers or False,
-            enable_checkpointing=False,
+            # a library's checkpoint callback runs here beside its companions (``controller.loop.callbacks``)
+            enable_checkpointing=any(isinstance(callback, Checkpoint) for callback in worker_callbacks),
             enable_progress_bar=False,
             enable_model_summary=False,
             enable_autolog_hparams=False,

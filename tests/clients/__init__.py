@@ -27,6 +27,7 @@ CLIENTS: dict[str, tuple[str, str, str]] = {
     "scvi": ("scvi-tools", "single-cell biology", "lightning.pytorch"),
     "pyg": ("PyTorch Geometric", "graphs", "lightning.pytorch"),
     "darts": ("darts", "forecasting", "pytorch_lightning"),
+    "finetuning_scheduler": ("finetuning-scheduler", "fine-tuning", "lightning.pytorch"),
 }
 
 

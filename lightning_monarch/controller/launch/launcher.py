@@ -124,6 +124,13 @@ class MonarchLauncher(lightning_compat.Launcher):
         except MisconfigurationException:
             strategy._keep_until_exception_handled(set_aside_refused(trainer))
             raise
+        if placement.holds_checkpoints:  # the controller's Lightning will not find them for "best" and "last"
+            arguments["ckpt_path"] = lightning_compat.resolve_ckpt_path(
+                trainer,
+                _TRAINER_FN[stage],
+                arguments.get("ckpt_path"),
+                model_provided=arguments.get("model") is not None,
+            )
         fed = FedLoaders(
             loaders,
             len(strategy.parallel_devices or ()) * strategy.num_nodes,
@@ -193,6 +200,8 @@ class MonarchLauncher(lightning_compat.Launcher):
                     getattr(loader, "batch_size", None) for loader in tree_flatten(trainer.predict_dataloaders)[0]
                 ]
                 result = session.predictions.in_dataset_order(len(trainer.num_predict_batches), batch_sizes)
+            if session.final_state is not None:
+                placement.take_back(session.final_state.callbacks)
             ended_cleanly = True
             return result
         except BaseException as error:

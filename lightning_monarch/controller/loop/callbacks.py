@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import (
     EarlyStopping,
     GradientAccumulationScheduler,
     LearningRateFinder,
+    ModelCheckpoint,
     ModelPruning,
     OnExceptionCheckpoint,
     ProgressBar,
@@ -79,8 +80,15 @@ _UNSUPPORTED = {
     ),
 }
 
-#: Callbacks that must see the whole run once: on the controller only.
-_CONTROLLER_ONLY = (Checkpoint, EarlyStopping, ProgressBar, GradientAccumulationScheduler, MeshStatsMonitor)
+#: Callbacks that draw or steer the run once, on the controller, even beside their library's
+#: worker callbacks (:class:`CallbackPlacement`).
+_DRAWS_OR_STEERS_ONCE = (ProgressBar, GradientAccumulationScheduler, MeshStatsMonitor)
+#: Callbacks that must see the whole run once: on the controller only, unless they run beside
+#: their library's worker callbacks.
+_CONTROLLER_ONLY = (Checkpoint, EarlyStopping, *_DRAWS_OR_STEERS_ONCE)
+
+#: Top-level packages whose callbacks are no library's companions (:class:`CallbackPlacement`).
+_NOT_LIBRARIES = frozenset({"lightning", "pytorch_lightning", "lightning_fabric", "lightning_monarch", "__main__"})
 
 #: The attribute :func:`on_workers` and :func:`on_controller` set: ``"workers"`` or ``"controller"``.
 _PLACED = "_lightning_monarch_placed"
@@ -129,6 +137,12 @@ def _place(callback: C, where: str, name: str) -> C:
     return callback
 
 
+def _library(callback: Callback) -> Optional[str]:
+    """The top-level package of ``callback``'s class, unless it is Lightning's, this package's or a script's."""
+    package = type(callback).__module__.split(".")[0]
+    return None if package in _NOT_LIBRARIES else package
+
+
 def _gradient_hook(callback: Any) -> Optional[str]:
     return next((hook for hook in GRADIENT_HOOKS if is_overridden(hook, callback, Callback)), None)
 
@@ -145,18 +159,54 @@ class CallbackPlacement:
     """Runs on the controller, once per stage: the Trainer's callbacks split by where they run.
 
     ``workers`` are ``MonarchStrategy(worker_callbacks=[...])`` and then the Trainer's callbacks
-    that run on the workers, in their order; ``controller`` the rest. Each is checked here, so
-    that a callback that can run on neither side is refused before any worker starts.
+    that run on the workers, in their order; the rest run on the controller. Each is checked here,
+    so that a callback that can run on neither side is refused before any worker starts.
+
+    Companions stay together: a library's callbacks find each other through ``trainer.callbacks``
+    (finetuning-scheduler's ``FinetuningScheduler`` refuses to run without its ``FTSEarlyStopping``
+    and ``FTSCheckpoint``), so the callbacks of a library that has one on the workers run there
+    too, checkpoint and early-stopping subclasses included: those then decide on every rank as
+    under DDP, rank 0 writing the files. Progress bars and the accumulation scheduler stay on the
+    controller. A library is the top-level package of the callback's class, other than Lightning's,
+    this package's and a script's ``__main__``; ``on_controller`` keeps one on the controller.
     """
 
     def __init__(self, trainer_callbacks: Iterable[Callback], worker_callbacks: Iterable[Callback]) -> None:
         callbacks = list(trainer_callbacks)
         for callback in callbacks:
             _reject_unsupported(callback)
-        placed = [callback for callback in callbacks if runs_on_workers(callback)]
+        libraries = {_library(callback) for callback in callbacks if runs_on_workers(callback)} - {None}
+        companions = [
+            callback
+            for callback in callbacks
+            if _library(callback) in libraries
+            and not runs_on_workers(callback)
+            and getattr(callback, _PLACED, None) is None
+            and not isinstance(callback, _DRAWS_OR_STEERS_ONCE)
+        ]
+        placed = [callback for callback in callbacks if runs_on_workers(callback) or callback in companions]
         self.workers: list[Callback] = [*worker_callbacks, *placed]
-        self.controller: list[Callback] = [callback for callback in callbacks if callback not in placed]
-        check_worker_callbacks(self.workers)
+        check_worker_callbacks([callback for callback in self.workers if callback not in companions])
+
+    @property
+    def holds_checkpoints(self) -> bool:
+        """Whether a checkpoint callback runs on the workers (a library's, beside its companions)."""
+        return any(isinstance(callback, Checkpoint) for callback in self.workers)
+
+    def take_back(self, states: dict[str, Any]) -> None:
+        """After a ``fit``: give the checkpoint and early-stopping callbacks that ran on the workers
+        rank 0's state (``states``, by state key), as a DDP script's own instances hold it, so that
+        ``ckpt_path="best"`` and ``best_model_path`` work on the controller. Lightning's own
+        ``load_state_dict`` loads it: a subclass's may expect the callbacks it set up on the workers."""
+        for callback in self.workers:
+            state = states.get(callback.state_key)
+            if state is None:
+                continue
+            if isinstance(callback, ModelCheckpoint):
+                callback.dirpath = state.get("dirpath", callback.dirpath)
+                ModelCheckpoint.load_state_dict(callback, state)
+            elif isinstance(callback, EarlyStopping):
+                EarlyStopping.load_state_dict(callback, state)
 
     @contextmanager
     def applied(self, trainer: Trainer) -> Iterator[None]:
