@@ -273,15 +273,18 @@ class SchedulerConfigRef:
                 optimizer_index=next(
                     (index for index, optimizer in enumerate(optimizers) if optimizer is config.scheduler.optimizer), -1
                 ),
-                reduce_on_plateau=config.reduce_on_plateau,
-                interval=config.interval,
-                frequency=config.frequency,
-                monitor=config.monitor,
-                strict=config.strict,
-                name=config.name,
+                **{name: getattr(config, name) for name in _SCHEDULER_CONFIG_FIELDS},
             )
             for config in configs
         )
+
+    def settings(self) -> dict[str, Any]:
+        """The config's fields besides its scheduler, as ``LRSchedulerConfig`` takes them."""
+        return {name: getattr(self, name) for name in _SCHEDULER_CONFIG_FIELDS}
+
+
+#: The fields of Lightning's ``LRSchedulerConfig`` that :class:`SchedulerConfigRef` carries.
+_SCHEDULER_CONFIG_FIELDS = ("reduce_on_plateau", "interval", "frequency", "monitor", "strict", "name")
 
 
 @dataclass(frozen=True)

@@ -227,12 +227,7 @@ def follow_optimizers(
             (PlateauMirror if ref.reduce_on_plateau else SchedulerMirror)(
                 optimizers[ref.optimizer_index], index, state
             ),
-            name=ref.name,
-            interval=ref.interval,
-            frequency=ref.frequency,
-            reduce_on_plateau=ref.reduce_on_plateau,
-            monitor=ref.monitor,
-            strict=ref.strict,
+            **ref.settings(),
         )
         for index, ref in enumerate(configs)
     ]
