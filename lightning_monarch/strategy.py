@@ -354,7 +354,7 @@ class MonarchStrategy(ParallelStrategy):
                 f"`trainer.strategy.broadcast(obj, src={src})` on the controller under strategy='monarch': the"
                 f" controller runs your code once, as rank 0, and has no rank {src} whose value it could take."
                 " Broadcast from rank 0 (`src=0`, which gives the value the controller already has), or run the"
-                " code on the workers, e.g. as a callback in `MonarchStrategy(worker_callbacks=[...])`."
+                " code on the workers, e.g. as a callback given as `lightning_monarch.on_workers(MyCallback())`."
             )
         return obj
 

@@ -30,7 +30,7 @@ def on_workers(
             " `trainer.progress_bar_metrics` or `trainer.logged_metrics` as it is (each worker then uses"
             " its own value of that metric), log the value from the LightningModule with"
             " `self.log(name, value, sync_dist=True)` and read it from `trainer.callback_metrics`, or run"
-            " the code on the workers, e.g. as a callback in `MonarchStrategy(worker_callbacks=[...])`."
+            " the code on the workers, e.g. as a callback given as `lightning_monarch.on_workers(MyCallback())`."
         )
     view, key = origin
     assert session is not None  # ``origin`` is found only through a session
@@ -54,7 +54,7 @@ def boolean_decision(session: Optional[StageSession], decision: bool, caller: An
             " the controller under strategy='monarch': the controller runs that code once, as rank 0, and"
             " cannot know what the other ranks would decide under `ddp`. Decide from values every rank shares"
             " (metrics logged with `sync_dist=True`) and use the decision as it is, or run the code on the"
-            " workers, e.g. as a callback in `MonarchStrategy(worker_callbacks=[...])`."
+            " workers, e.g. as a callback given as `lightning_monarch.on_workers(MyCallback())`."
         )
     values = session.requests.metric_on_every_rank("callback_metrics", monitor)
     if any(not _same(value, values[0]) for value in values):
