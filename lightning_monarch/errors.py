@@ -38,7 +38,8 @@ def _under_monarch(message: str) -> str:
         return (
             "\n\nUnder strategy='monarch', the workers' DDP takes the same keyword:"
             " `Trainer(strategy=MonarchStrategy(find_unused_parameters=True))`, or by name"
-            " `Trainer(strategy='ddp_monarch_find_unused_parameters_true')`."
+            " `Trainer(strategy='monarch_find_unused_parameters_true')` (`'ddp_monarch_find_unused_parameters_true'`"
+            " for a library that reads `ddp` in the name)."
         )
     return ""
 

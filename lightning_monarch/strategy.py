@@ -124,9 +124,11 @@ class MonarchStrategy(ParallelStrategy):
     """
 
     strategy_name = "monarch"
-    #: Its other registered names, with the options each sets: the workers are DDP ranks, and
-    #: ``"ddp_monarch"`` says so to libraries that read ``"ddp"`` in the name (scvi-tools shards its data then).
+    #: Its other registered names, with the options each sets: ``"monarch_find_unused_parameters_true"``
+    #: by Lightning's convention for its strategies; the workers are DDP ranks, and ``"ddp_monarch"``
+    #: says so to libraries that read ``"ddp"`` in the name (scvi-tools shards its data then).
     aliases: ClassVar[dict[str, dict[str, Any]]] = {
+        "monarch_find_unused_parameters_true": {"find_unused_parameters": True},
         "ddp_monarch": {},
         "ddp_monarch_find_unused_parameters_true": {"find_unused_parameters": True},
     }

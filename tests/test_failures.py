@@ -155,24 +155,30 @@ class UnusedHeadClassifier(Classifier):
 
 
 def test_ddps_own_fix_is_given_in_monarch_terms() -> None:
-    trainer = L.Trainer(
-        strategy="monarch",
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
-        limit_train_batches=3,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    def trainer(strategy: str) -> L.Trainer:
+        return L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=2,
+            max_epochs=1,
+            limit_train_batches=3,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+
     with pytest.raises(
         WorkerError,
         match=r"(?s)find_unused_parameters.*Under strategy='monarch'.*"
-        r"MonarchStrategy\(find_unused_parameters=True\)",
+        r"MonarchStrategy\(find_unused_parameters=True\).*strategy='monarch_find_unused_parameters_true'",
     ):
-        trainer.fit(UnusedHeadClassifier())
+        trainer("monarch").fit(UnusedHeadClassifier())
+    # the name the fix gives, by Lightning's convention for its own strategies
+    fixed = trainer("monarch_find_unused_parameters_true")
+    fixed.fit(UnusedHeadClassifier())
+    assert fixed.global_step == 3
 
 
 KILLED_CONTROLLER = """
