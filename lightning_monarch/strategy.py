@@ -124,9 +124,8 @@ class MonarchStrategy(ParallelStrategy):
     """
 
     strategy_name = "monarch"
-    #: Its other registered names, with the options each sets: ``"monarch_find_unused_parameters_true"``
-    #: by Lightning's convention for its strategies; the workers are DDP ranks, and ``"ddp_monarch"``
-    #: says so to libraries that read ``"ddp"`` in the name (scvi-tools shards its data then).
+    #: Its other registered names and their options: by Lightning's convention for its strategies, and
+    #: ``"ddp_monarch…"`` for libraries that read ``"ddp"`` in the name (scvi-tools shards its data then).
     aliases: ClassVar[dict[str, dict[str, Any]]] = {
         "monarch_find_unused_parameters_true": {"find_unused_parameters": True},
         "ddp_monarch": {},
@@ -382,12 +381,9 @@ class MonarchStrategy(ParallelStrategy):
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """What Lightning's callbacks decide on every DDP rank, combined. ``ModelCheckpoint`` checks
-        for a file on rank 0 alone, so its decision is the controller's; ``EarlyStopping`` and
-        ``ModelCheckpoint``'s top-k decide from the metric they monitor, so the controller's
-        decision (rank 0's) is every rank's when every worker holds the same value of that metric,
-        and otherwise it raises, naming the metric. Any other caller's decision cannot be known for
-        the other ranks, and raises."""
+        """What Lightning's callbacks decide on every DDP rank, combined, as
+        ``controller.loop.collectives.boolean_decision`` tells: from the metric they monitor, or
+        ``ModelCheckpoint``'s file check on rank 0 alone."""
         caller, function = lightning_compat.decision_caller()
         return collectives.boolean_decision(self._stage.session, decision, caller, function)
 
