@@ -339,6 +339,18 @@ class GrowingDataClassifier(Classifier):
         return DataLoader(ClassificationData(64 + 16 * self.current_epoch), batch_size=8, shuffle=True)
 
 
+class UnsyncedValidationClassifier(Classifier):
+    """Logs a validation loss without ``sync_dist=True``, as many libraries do: each rank holds its
+    own. Rank 1's stalls (it is 1.0 throughout), so that an ``EarlyStopping`` on it stops the run
+    because of rank 1, several epochs before rank 0's would."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("val_loss_unsynced", loss if self.global_rank == 0 else torch.ones_like(loss))
+
+
 class NormClassifier(Classifier):
     """A classifier with batch norm: ``StochasticWeightAveraging`` then recomputes its statistics
     in one more epoch at the end of training."""

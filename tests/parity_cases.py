@@ -188,6 +188,12 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "pruning": lambda out: Case(
         models.Classifier(), callbacks=[ModelPruning("l1_unstructured", amount=0.3)], save_after_fit=False
     ),
+    # issue 56: a monitored metric the ranks hold differently; each rank's EarlyStopping decides on its own
+    "early_stopping_unsynced": lambda out: Case(
+        compat.UnsyncedValidationClassifier(),
+        {"max_epochs": 8},
+        [EarlyStopping(monitor="val_loss_unsynced", min_delta=0.02, patience=1)],
+    ),
     "swa": lambda out: Case(
         models.Classifier(), {"max_epochs": 3}, [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)]
     ),

@@ -19,7 +19,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from torch import nn
 
 from lightning_monarch._compat import lightning as lightning_compat
@@ -54,7 +54,11 @@ def test_every_private_lightning_name_exists(tmp_path: Path) -> None:
         logger=False,
     )
     trainer.fit(Classifier())
-    objects: dict[str, Any] = {"model_checkpoint": ModelCheckpoint(), "trainer": trainer}
+    objects: dict[str, Any] = {
+        "model_checkpoint": ModelCheckpoint(),
+        "early_stopping": EarlyStopping(monitor="val_loss"),
+        "trainer": trainer,
+    }
     for where in lightning_compat.PRIVATE_NAMES.keys() - objects.keys():
         objects[where] = operator.attrgetter(where.removeprefix("trainer."))(trainer)
     assert not _missing(objects, lightning_compat.PRIVATE_NAMES), f"checked with {lightning_compat.CHECKED_WITH}"

@@ -15,9 +15,9 @@ import pytest
 import torch
 from finetuning_scheduler import FinetuningScheduler, FTSCheckpoint, FTSEarlyStopping
 from lightning.pytorch.callbacks import (
-    EarlyStopping,
     EMAWeightAveraging,
     LambdaCallback,
+    ModelCheckpoint,
     ModelPruning,
     ModelSummary,
     RichModelSummary,
@@ -110,18 +110,27 @@ class BroadcastsFromRank1(L.Callback):
         ),
         (BroadcastsFromRank1(), r"`trainer.strategy.broadcast\(obj, src=1\)` on the controller .* has no rank 1"),
         (
-            EarlyStopping(monitor="train_loss_epoch"),
-            r"`EarlyStopping\(monitor='train_loss_epoch'\)` decides on the"
+            ModelCheckpoint(monitor="train_loss_epoch", save_top_k=1),
+            r"`ModelCheckpoint\(monitor='train_loss_epoch'\)` decides on the"
             r" controller from rank 0's .*\(rank 0: [\d.]+, rank 1: [\d.]+\).*`sync_dist=True`",
         ),
     ],
-    ids=["reduce-of-a-controller-tensor", "broadcast-from-rank-1", "early-stopping-on-an-unsynced-metric"],
+    ids=["reduce-of-a-controller-tensor", "broadcast-from-rank-1", "top-k-on-an-unsynced-metric"],
 )
-def test_collectives_that_cannot_be_what_ddp_gives_raise(callback: L.Callback, match: str) -> None:
+def test_collectives_that_cannot_be_what_ddp_gives_raise(callback: L.Callback, match: str, tmp_path: Path) -> None:
     """What a controller callback cannot get as under ``ddp`` raises, naming the fix; what it can is
-    the parity case ``controller_collectives``."""
+    the parity cases ``controller_collectives`` and ``early_stopping_unsynced``."""
     with pytest.raises(RuntimeError, match=match):
-        _fit(Classifier(), callbacks=[callback], enable_progress_bar=False, limit_train_batches=2, limit_val_batches=1)
+        _fit(
+            Classifier(),
+            callbacks=[callback],
+            enable_progress_bar=False,
+            limit_train_batches=2,
+            limit_val_batches=1,
+            enable_checkpointing=isinstance(callback, ModelCheckpoint),
+            default_root_dir=tmp_path,
+            max_epochs=2,  # a top-k decision compares with a saved score: from the second epoch
+        )
 
 
 @pytest.mark.parametrize("given_to", ["Trainer", "MonarchStrategy"])

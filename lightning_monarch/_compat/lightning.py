@@ -99,6 +99,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "trainer.test_loop": ("_combined_loader", "_data_fetcher", "_evaluation_step"),
     "trainer.predict_loop": ("_combined_loader", "_data_fetcher", "_predict_step"),
     "model_checkpoint": ("_every_n_train_steps", "_train_time_interval", "_every_n_epochs"),
+    "early_stopping": ("_evaluate_stopping_criteria",),
     "trainer.fit_loop.epoch_loop": ("_should_accumulate",),
 }
 
@@ -303,6 +304,11 @@ def decision_caller() -> tuple[Any, str]:
     ``EarlyStopping`` and ``ModelCheckpoint``'s top-k decide from the metric they monitor."""
     frame = sys._getframe(2)
     return frame.f_locals.get("self"), frame.f_code.co_name
+
+
+def stopping_decision(callback: Any, current: Any) -> bool:
+    """Whether an ``EarlyStopping`` would stop on ``current``, its state updated as its check updates it."""
+    return callback._evaluate_stopping_criteria(current)[0]
 
 
 def checkpoint_schedule(callback: Any) -> tuple[int, Any]:

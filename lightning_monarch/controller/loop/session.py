@@ -35,6 +35,7 @@ from lightning_monarch.controller.loop.entries import EntryQueue
 from lightning_monarch.controller.loop.metrics import MetricOrigins, mirror_metrics
 from lightning_monarch.controller.loop.mirror_guard import MirrorGuard
 from lightning_monarch.controller.loop.mirrors import WorkerLoaders, follow_optimizers, optimizer_mirrors, plan_loaders
+from lightning_monarch.controller.loop.other_ranks import OTHER_RANKS
 from lightning_monarch.controller.loop.plan import (
     PLAN_GATES,
     is_observe_only,
@@ -169,6 +170,8 @@ class StageSession:
             return self._materialize(gate, self._ahead[gate].popleft())
         self._leave()
         entry = self._take(gate)
+        if gate == "callback.on_train_start":
+            OTHER_RANKS.start(self._trainer, self._channel.mesh.num_workers)
         if gate == SNAPSHOT_GATE and entry.sync and self._snapshots is not None:
             if self._elastic is not None:
                 self._elastic.at_resume_point(self._trainer)
