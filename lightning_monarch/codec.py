@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copyreg
 import ctypes
+import inspect
 import io
 import pickle
 import warnings
@@ -242,6 +243,53 @@ class TensorPickling:
 
 class _Pickler(TensorPickling, pickle.Pickler):
     pass
+
+
+def reduce_without_new(obj: Any, protocol: int) -> Optional[tuple[Any, ...]]:
+    """How to pickle ``obj`` when its class's ``__new__`` demands arguments and the class gives
+    pickle none (no ``__getnewargs__``, no reduction of its own): pickle's default way, which calls
+    ``cls.__new__(cls)`` when it reads the object back, would fail there (a scientific library's
+    condition class validates its arguments in ``__new__``). The object is then made blank, without
+    its class's ``__new__``, and given its state, as ``copyreg`` would if it could. ``None`` for any
+    other object. Runs on the controller, for the stage's payload."""
+    cls = type(obj)
+    wants = _NEW_WANTS_ARGUMENTS.get(cls)
+    if wants is None:
+        wants = _NEW_WANTS_ARGUMENTS[cls] = _new_wants_arguments(cls)
+    if not wants:
+        return None
+    return (_made_blank, (cls,), *obj.__reduce_ex__(protocol)[2:])
+
+
+#: Whether pickle's default way cannot rebuild instances of a class (:func:`reduce_without_new`), by class.
+_NEW_WANTS_ARGUMENTS: dict[type, bool] = {}
+
+
+def _new_wants_arguments(cls: type) -> bool:
+    if issubclass(cls, type) or cls.__new__ is object.__new__:
+        return False
+    if cls.__reduce_ex__ is not object.__reduce_ex__ or cls.__reduce__ is not object.__reduce__:
+        return False
+    if hasattr(cls, "__getnewargs_ex__") or hasattr(cls, "__getnewargs__"):
+        return False
+    try:
+        inspect.signature(cls.__new__).bind(cls)
+        return False
+    except TypeError:
+        pass
+    except ValueError:  # no signature to read: a builtin's
+        return False
+    try:
+        object.__new__(cls)  # a layout that object's ``__new__`` makes: no builtin base but object
+    except TypeError:
+        return False
+    return True
+
+
+def _made_blank(cls: type) -> Any:
+    """An instance of ``cls`` made without its ``__new__`` and ``__init__``, for its state to fill.
+    Runs on the workers, as they open a parcel (:func:`reduce_without_new`)."""
+    return object.__new__(cls)
 
 
 class _Unpickler(pickle.Unpickler):

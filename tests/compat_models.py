@@ -16,9 +16,9 @@ import torch.distributed
 import torchmetrics
 from lightning.pytorch.callbacks import BasePredictionWriter, EarlyStopping, LambdaCallback
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset
 
-from tests.models import ClassificationData, Classifier
+from tests.models import ClassificationData, ClassificationDataModule, Classifier
 
 
 class ManualGAN(L.LightningModule):
@@ -349,6 +349,34 @@ class UnsyncedValidationClassifier(Classifier):
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
         self.log("val_loss_unsynced", loss if self.global_rank == 0 else torch.ones_like(loss))
+
+
+class Condition:
+    """A condition as a scientific library writes one: its class checks its arguments in
+    ``__new__``. Pickle writes it without complaint, but reads it back with
+    ``Condition.__new__(Condition)``, which lacks them."""
+
+    def __new__(cls, scale: float, equation: str) -> Condition:
+        if not equation:
+            raise ValueError("a condition needs an equation")
+        return super().__new__(cls)
+
+    def __init__(self, scale: float, equation: str) -> None:
+        self.scale = scale
+        self.equation = equation
+
+
+class ConditionDataModule(ClassificationDataModule):
+    """A datamodule that holds conditions and scales its training features by one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conditions = {"x": Condition(0.5, "x * scale")}
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        features, labels = self.train_set.tensors
+        self.train_set = TensorDataset(features * self.conditions["x"].scale, labels)
 
 
 class NormClassifier(Classifier):

@@ -194,6 +194,7 @@ CASES: dict[str, Callable[[Path], Case]] = {
         {"max_epochs": 8},
         [EarlyStopping(monitor="val_loss_unsynced", min_delta=0.02, patience=1)],
     ),
+    "argument_new": lambda out: Case(models.DataModuleClassifier(), datamodule=compat.ConditionDataModule()),
     "swa": lambda out: Case(
         models.Classifier(), {"max_epochs": 3}, [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)]
     ),

@@ -29,7 +29,7 @@ from lightning.pytorch import Trainer
 from torch import nn
 from typing_extensions import override
 
-from lightning_monarch.codec import Parcel, TensorPickling, pack
+from lightning_monarch.codec import Parcel, TensorPickling, pack, reduce_without_new
 
 
 class _ReferenceRecorder(TensorPickling, cloudpickle.Pickler):
@@ -48,6 +48,9 @@ class _ReferenceRecorder(TensorPickling, cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Trainer):
             return type(None), ()
+        without_new = reduce_without_new(obj, self.proto)
+        if without_new is not None:
+            return without_new
         reduced = super().reducer_override(obj)
         if reduced is NotImplemented and isinstance(obj, (type, types.FunctionType)):
             module = getattr(obj, "__module__", None)
