@@ -15,7 +15,7 @@ by Lightning's ``ddp`` ranks through ``tests/clients/reference.py``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -55,9 +55,13 @@ def comparable(value: Any) -> Any:
     return value
 
 
-def results(trainer: Any, module: torch.nn.Module, out_dir: Path, **extras: Any) -> dict[str, Any]:
+def results(trainer: Any, module: torch.nn.Module, out_dir: Path, **extras: Any) -> Optional[dict[str, Any]]:
     """What a client's run returns on the global-zero process: ``module``'s weights, the Trainer's
-    ``callback_metrics`` and step, the checkpoints under ``out_dir``, and the library's ``extras``."""
+    ``callback_metrics`` and step, the checkpoints under ``out_dir``, and the library's ``extras``;
+    ``None`` on the other ``ddp`` ranks, which must not read the checkpoint files while rank 0 may
+    still be replacing them (a rank that left ``fit`` first found a top-k file rank 0 removed)."""
+    if not trainer.is_global_zero:
+        return None
     return {
         "weights": {key: value.detach().cpu().clone() for key, value in module.state_dict().items()},
         "callback_metrics": {key: float(value) for key, value in trainer.callback_metrics.items()},
