@@ -47,7 +47,8 @@ pytestmark = pytest.mark.timeout(900)
 #: progress bar and model summary on (``plain``), ``ModelCheckpoint``'s top-k and ``last.ckpt``
 #: (every case with the default callbacks, ``top_k_last``, ``checkpoint_every_n_steps``), a resume,
 #: manual optimization (``manual_gan``), run-ahead views, per-rank predictions, and Lightning's
-#: callbacks that run on the workers (``backbone_finetuning`` to ``weights_lambda_on_workers``).
+#: callbacks that run on the workers (``backbone_finetuning`` to ``weights_lambda_on_workers``),
+#: each rank's early stopping on an unsynced metric, and objects whose ``__new__`` wants arguments.
 PL_CASES = (
     "plain",
     "accumulate_clip",
@@ -72,6 +73,8 @@ PL_CASES = (
     "swa_batch_norm",
     "spike_detection",
     "weights_lambda_on_workers",
+    "early_stopping_unsynced",
+    "argument_new",
 )
 #: The sharded case, compared to ``ddp`` as ``tests/test_fsdp.py`` compares it, to float tolerance.
 SHARDED = "fsdp_policy"
