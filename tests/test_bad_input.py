@@ -218,7 +218,9 @@ def test_placing_on_the_controller_a_callback_that_sees_gradients_is_refused() -
 
 @pytest.mark.parametrize("place", [on_workers, on_controller])
 def test_placing_what_is_not_a_callback_is_refused(place: Any) -> None:
-    with pytest.raises(TypeError, match=rf"`lightning_monarch.{place.__name__}\(42\)` places a Lightning `Callback`"):
+    with pytest.raises(
+        TypeError, match=rf"`lightning_monarch.{place.__name__}\(42\)`: it places a Lightning `Callback`"
+    ):
         place(42)
 
 

@@ -119,13 +119,7 @@ def on_controller(callback: C) -> C:
 
 
 def _place(callback: C, where: str, name: str) -> C:
-    namespaces.refuse_other_namespace(name, callback, __name__)
-    kind = callback if isinstance(callback, type) else type(callback)
-    if not (isinstance(kind, type) and issubclass(kind, Callback)):
-        raise TypeError(
-            f"`lightning_monarch.{name}({callback!r})` places a Lightning `Callback` (an instance or its class);"
-            f" give one, e.g. `{name}(MyCallback())` or `@{name}` on `class MyCallback(Callback)`."
-        )
+    kind = callback_class(callback, name, "places a Lightning `Callback` (an instance or its class)", __name__)
     hook = _gradient_hook(callback)
     if where == "controller" and hook is not None:
         raise MisconfigurationException(
@@ -135,6 +129,20 @@ def _place(callback: C, where: str, name: str) -> C:
         )
     setattr(callback, _PLACED, where)
     return callback
+
+
+def callback_class(given: Any, name: str, does: str, home: str) -> type:
+    """The ``Callback`` class of ``given`` (an instance or a class), which the public function
+    ``lightning_monarch.<name>`` of module ``home`` (a ``__name__``) was given and ``does`` something
+    to; a ``TypeError`` naming what to give for anything else, or a callback of the other namespace."""
+    namespaces.refuse_other_namespace(name, given, home)
+    kind = given if isinstance(given, type) else type(given)
+    if not (isinstance(kind, type) and issubclass(kind, Callback)):
+        raise TypeError(
+            f"`lightning_monarch.{name}({given!r})`: it {does}; give one, e.g. `{name}(MyCallback())` or"
+            f" `@{name}` on `class MyCallback(Callback)`."
+        )
+    return kind
 
 
 def _library(callback: Callback) -> Optional[str]:

@@ -41,9 +41,9 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_monarch import namespaces
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.features.stats import MeshStatsMonitor
+from lightning_monarch.controller.loop.callbacks import callback_class
 from lightning_monarch.protocol import (
     CALLBACK_HOOKS,
     SNAPSHOT_GATE,
@@ -89,14 +89,9 @@ def observe_only(callback: C) -> C:
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 print(trainer.global_step, trainer.progress_bar_metrics.get("loss"))
     """
-    namespaces.refuse_other_namespace("observe_only", callback, __name__)
-    kind = callback if isinstance(callback, type) else type(callback)
-    if not (isinstance(kind, type) and issubclass(kind, Callback)):
-        raise TypeError(
-            f"`lightning_monarch.observe_only({callback!r})`: it declares a Lightning `Callback` (an instance or"
-            " its class) observe-only; give one, e.g. `observe_only(MyCallback())` or `@observe_only` on"
-            " `class MyCallback(Callback)`."
-        )
+    callback_class(
+        callback, "observe_only", "declares a Lightning `Callback` (an instance or its class) observe-only", __name__
+    )
     setattr(callback, _OBSERVE_ONLY, True)
     return callback
 
