@@ -9,6 +9,7 @@ controller it takes that entry instead. The wrappers keep ``__wrapped__``, so Li
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from collections.abc import Callable, Iterable
@@ -51,6 +52,15 @@ def install_hook_gates(obj: Any, owner: str, hooks: Iterable[str], around: Aroun
                 vars(obj)[hook] = previous
 
     return uninstall
+
+
+def ungated_copy(obj: Any) -> Any:
+    """A deep copy of ``obj`` without the gates installed on it: its hooks are its class's again."""
+    duplicate = copy.deepcopy(obj)
+    for name, value in list(vars(duplicate).items()):
+        if getattr(value, "_lightning_monarch_gate", False):
+            del vars(duplicate)[name]
+    return duplicate
 
 
 def _gated(gate: str, bound: Callable[..., Any], around: Around) -> Callable[..., Any]:

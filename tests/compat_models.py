@@ -351,6 +351,20 @@ class UnsyncedValidationClassifier(Classifier):
         self.log("val_loss_unsynced", loss if self.global_rank == 0 else torch.ones_like(loss))
 
 
+class UnsyncedScoreClassifier(Classifier):
+    """Logs a validation score without ``sync_dist=True`` that the ranks rank differently: rank 0's
+    is its loss, rank 1's is ``(epoch - 1.5) ** 2``, best at epochs 1 and 2. A ``ModelCheckpoint``'s
+    top 2 on it takes a checkpoint only when both ranks' own top 2 would: at epochs 0, 1 and 2
+    (removing epoch 0's, rank 0's worst), not at epoch 3, which rank 0 alone would take."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        score = loss if self.global_rank == 0 else torch.tensor((self.current_epoch - 1.5) ** 2)
+        self.log("val_score_unsynced", score)
+
+
 class Condition:
     """A condition as a scientific library writes one: its class checks its arguments in
     ``__new__``. Pickle writes it without complaint, but reads it back with

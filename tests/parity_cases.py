@@ -194,6 +194,12 @@ CASES: dict[str, Callable[[Path], Case]] = {
         {"max_epochs": 8},
         [EarlyStopping(monitor="val_loss_unsynced", min_delta=0.02, patience=1)],
     ),
+    "top_k_unsynced": lambda out: Case(
+        compat.UnsyncedScoreClassifier(),
+        {"max_epochs": 4},
+        [ModelCheckpoint(dirpath=str(out / "top_k"), monitor="val_score_unsynced", save_top_k=2)],
+        default_callbacks=False,
+    ),
     "argument_new": lambda out: Case(models.DataModuleClassifier(), datamodule=compat.ConditionDataModule()),
     "swa": lambda out: Case(
         models.Classifier(), {"max_epochs": 3}, [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)]

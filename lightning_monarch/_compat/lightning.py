@@ -12,6 +12,7 @@ import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -19,6 +20,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
 from lightning.pytorch.loops.loop import _Loop
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.connectors import callback_connector
 from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
@@ -39,6 +41,7 @@ __all__ = [
     "decision_caller",
     "dump_checkpoint",
     "end_restart",
+    "keeps_top_k_only",
     "logger_connector_class",
     "metric_store",
     "manual_step_progress",
@@ -54,6 +57,8 @@ __all__ = [
     "stage_of",
     "stepped_this_batch",
     "stored_metrics",
+    "top_k_decision",
+    "top_k_update",
     "trainer_flags",
     "without_external_callbacks",
 ]
@@ -98,7 +103,16 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "trainer.validate_loop": _VALIDATION_LOOP_NAMES,
     "trainer.test_loop": ("_combined_loader", "_data_fetcher", "_evaluation_step"),
     "trainer.predict_loop": ("_combined_loader", "_data_fetcher", "_predict_step"),
-    "model_checkpoint": ("_every_n_train_steps", "_train_time_interval", "_every_n_epochs"),
+    "model_checkpoint": (
+        "_every_n_train_steps",
+        "_train_time_interval",
+        "_every_n_epochs",
+        "_update_best_and_save",
+        "_get_metric_interpolated_filepath_name",
+        "_save_checkpoint",
+        "_should_remove_checkpoint",
+        "_remove_checkpoint",
+    ),
     "early_stopping": ("_evaluate_stopping_criteria",),
     "trainer.fit_loop.epoch_loop": ("_should_accumulate",),
 }
@@ -309,6 +323,38 @@ def decision_caller() -> tuple[Any, str]:
 def stopping_decision(callback: Any, current: Any) -> bool:
     """Whether an ``EarlyStopping`` would stop on ``current``, its state updated as its check updates it."""
     return callback._evaluate_stopping_criteria(current)[0]
+
+
+#: What a top-k check of another rank's ``ModelCheckpoint`` reads of its Trainer: a strategy whose
+#: ``reduce_boolean_decision`` keeps the rank's own decision, to be combined with the others' after.
+_ONE_RANK = SimpleNamespace(strategy=SingleDeviceStrategy(torch.device("cpu")))
+
+
+def keeps_top_k_only(callback: Any) -> None:
+    """Make ``callback`` (a ``ModelCheckpoint`` of the controller's own, standing for another rank's)
+    keep its top-k scores without touching files or printing: ``top_k_update`` names its
+    checkpoints, and rank 0's callback writes and removes them, as under DDP."""
+    callback.verbose = False
+    vars(callback).update(
+        _save_checkpoint=_no_file, _remove_checkpoint=_no_file, _should_remove_checkpoint=lambda *args: False
+    )
+
+
+def _no_file(*args: Any) -> None:
+    """No file: a ``ModelCheckpoint`` standing for another rank writes and removes none."""
+
+
+def top_k_decision(callback: Any, current: Any) -> bool:
+    """Whether a ``ModelCheckpoint``'s top-k takes ``current`` by its own scores alone (its
+    ``check_monitor_top_k``, before the ranks' decisions combine)."""
+    return callback.check_monitor_top_k(_ONE_RANK, current)
+
+
+def top_k_update(callback: Any, current: Any, filepath: str) -> None:
+    """Update a ``ModelCheckpoint`` prepared by ``keeps_top_k_only`` with ``current``, as its
+    ``_update_best_and_save`` does on its rank, the checkpoint named ``filepath`` (rank 0's name)."""
+    callback._get_metric_interpolated_filepath_name = lambda *args: filepath
+    callback._update_best_and_save(current, _ONE_RANK, {})
 
 
 def checkpoint_schedule(callback: Any) -> tuple[int, Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.callbacks import EarlyStopping
 
 from lightning_monarch.controller.loop.other_ranks import OTHER_RANKS
 from lightning_monarch.controller.loop.session import StageSession
@@ -42,12 +41,11 @@ def on_workers(
 def boolean_decision(session: Optional[StageSession], decision: bool, caller: Any, function: str) -> bool:
     """What Lightning's callbacks decide on every DDP rank, combined; ``caller`` is the object whose
     method ``function`` asked (``_compat.lightning.decision_caller``). ``ModelCheckpoint`` checks
-    for a file on rank 0 alone, so its decision is the controller's. ``EarlyStopping`` decides on
-    each rank from its value of the metric it monitors, and the decisions combine as DDP combines
-    them (``controller.loop.other_ranks``). ``ModelCheckpoint``'s top-k decides from its metric
-    too: the controller's decision (rank 0's) is every rank's when every worker holds the same
-    value of that metric, and otherwise it raises, naming the metric. Any other caller's decision
-    cannot be known for the other ranks, and raises."""
+    for a file on rank 0 alone, so its decision is the controller's. ``EarlyStopping`` and
+    ``ModelCheckpoint``'s top-k decide on each rank from its value of the metric they monitor, and
+    the decisions combine as DDP combines them (``controller.loop.other_ranks``). Any other
+    caller's decision is every rank's when it monitors a metric every worker holds the same value
+    of, and otherwise cannot be known for the other ranks, and raises."""
     if function == "file_exists" or session is None:
         return decision
     monitor = getattr(caller, "monitor", None)
@@ -60,7 +58,7 @@ def boolean_decision(session: Optional[StageSession], decision: bool, caller: An
             " workers, e.g. as a callback given as `lightning_monarch.on_workers(MyCallback())`."
         )
     values = session.requests.metric_on_every_rank("callback_metrics", monitor)
-    if isinstance(caller, EarlyStopping):
+    if OTHER_RANKS.follows(caller):
         return OTHER_RANKS.decide(caller, decision, values)
     if any(not _same(value, values[0]) for value in values):
         held = ", ".join(f"rank {rank}: {_shown(value)}" for rank, value in enumerate(values))
@@ -69,7 +67,7 @@ def boolean_decision(session: Optional[StageSession], decision: bool, caller: An
             f" `{monitor}`, and under `ddp` every rank decides from its own; but the workers hold different"
             f" values of it ({held}), so rank 0's decision alone could differ from `ddp`'s. Log it with"
             " `sync_dist=True` in the module's `self.log(...)` call, so that every rank holds the same value,"
-            " as Lightning recommends for a monitored metric."
+            " or run the callback on the workers, e.g. given as `lightning_monarch.on_workers(MyCallback())`."
         )
     return decision
 

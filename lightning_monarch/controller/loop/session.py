@@ -171,7 +171,7 @@ class StageSession:
         self._leave()
         entry = self._take(gate)
         if gate == "callback.on_train_start":
-            OTHER_RANKS.start(self._trainer, self._channel.mesh.num_workers)
+            self._undo.extend(OTHER_RANKS.start(self._trainer, self._channel.mesh.num_workers, self.requests))
         if gate == SNAPSHOT_GATE and entry.sync and self._snapshots is not None:
             if self._elastic is not None:
                 self._elastic.at_resume_point(self._trainer)
