@@ -176,6 +176,17 @@ def open_parcel(parcel: Parcel, storages: Sequence[torch.UntypedStorage]) -> Any
     return _Unpickler(io.BytesIO(parcel.data), storages).load()
 
 
+def open_where_packed(parcel: Parcel) -> Any:
+    """The value packed in ``parcel``, opened on the side that packed it, as a worker opens it, with
+    views of the parcel's sources as its out-of-band storages (no copy of them is made): to find,
+    before any worker starts, an object that pickles but cannot be read back."""
+    storages = [
+        (source if isinstance(source, torch.Tensor) else _foreign_source(memoryview(source))).untyped_storage()
+        for source in parcel.sources
+    ]
+    return open_parcel(parcel, storages)
+
+
 def _tensor(
     storage: torch.UntypedStorage, offset: int, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:

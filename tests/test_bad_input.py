@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch import MonarchStrategy, WorkerGPUAccelerator, on_controller, on_workers
 from tests.conftest import stray_workers
-from tests.models import Classifier
+from tests.models import ClassificationDataModule, Classifier
 
 
 def _trainer(**kwargs: Any) -> L.Trainer:
@@ -92,9 +92,42 @@ def test_unpicklable_module() -> None:
     _assert_raised_before_spawning(error)
 
 
+class Unit:
+    """A unit as a physics library might write one: it pickles as its name alone, and reading it
+    back needs its scale too."""
+
+    def __init__(self, name: str, scale: float) -> None:
+        self.name, self.scale = name, scale
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Unit, (self.name,)
+
+
+class Problem:
+    def __init__(self) -> None:
+        self.conditions = {"x": Unit("m", 1.0)}
+
+
+class ProblemDataModule(ClassificationDataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.problem = Problem()
+
+
+def test_an_object_that_pickles_but_cannot_be_rebuilt_is_named() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"LightningDataModule `ProblemDataModule` cannot be rebuilt on the worker processes.*"
+        r"`datamodule.problem.conditions\['x'\]` \(a `Unit`\) pickles, but reading it back raises TypeError:"
+        r" .*'scale'.*`__reduce__` that returns every argument",
+    ) as error:
+        _trainer().fit(Classifier(), datamodule=ProblemDataModule())
+    _assert_raised_before_spawning(error)
+
+
 NOTEBOOK_CELL = """
 import threading
-from tests.models import Classifier
+from tests.models import ClassificationDataModule, Classifier
 
 cache_lock = threading.Lock()
 

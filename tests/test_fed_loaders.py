@@ -50,7 +50,7 @@ class HoldingDataModule(L.LightningDataModule):
 
 
 def test_an_object_deep_in_a_datamodule_is_named_by_its_path() -> None:
-    with pytest.raises(TypeError, match=re.escape("`datamodule.train_set._cache.lock` (a `lock`) cannot")) as error:
+    with pytest.raises(TypeError, match=re.escape("`datamodule.train_set._cache['lock']` (a `lock`) cannot")) as error:
         _trainer().fit(Classifier(), datamodule=HoldingDataModule())
     assert "create them in `setup()`" in str(error.value)
     _assert_raised_before_spawning(error)
@@ -63,7 +63,7 @@ def test_a_dataloader_that_cannot_travel_names_the_object_and_where_it_was_hande
         _trainer().fit(Classifier(), train_dataloaders=loader)
     message = str(error.value)
     assert f"`train_dataloaders` iterable `DataLoader` (handed to the Trainer at {__file__}:{line + 2})" in message
-    assert "`train_dataloaders.dataset._cache.lock` (a `lock`) cannot" in message
+    assert "`train_dataloaders.dataset._cache['lock']` (a `lock`) cannot" in message
     assert "`DistributedSampler`" in message and "Make it picklable" in message
     _assert_raised_before_spawning(error)
 

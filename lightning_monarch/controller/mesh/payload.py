@@ -5,8 +5,9 @@ workers pickled (``StageSpec.payload``, a ``codec.Parcel``: the pickle, with the
 left out and named by the hash of their bytes, which travel apart and only where the workers do not
 hold them, ``controller.mesh.storages``); classes and functions travel by module path (except those
 defined in ``__main__``, which cloudpickle sends by value), so the workers must be able to import
-them. An object that cannot be pickled and a class the workers cannot import are both reported
-here with the fix, instead of as an unpickling error on a remote process.
+them. An object that cannot be pickled, one that pickles but cannot be read back (the parcel is
+opened here once, as a worker opens it), and a class the workers cannot import are each reported
+here with its path and the fix, instead of as an unpickling error on a remote process.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pickle
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -29,7 +30,7 @@ from lightning.pytorch import Trainer
 from torch import nn
 from typing_extensions import override
 
-from lightning_monarch.codec import Parcel, TensorPickling, pack, reduce_without_new
+from lightning_monarch.codec import Parcel, TensorPickling, open_where_packed, pack, reduce_without_new
 
 
 class _ReferenceRecorder(TensorPickling, cloudpickle.Pickler):
@@ -63,8 +64,8 @@ def pack_for_workers(objects: dict[str, Any], script_dir: Optional[str]) -> Parc
     """Pickle ``objects`` (named by role, e.g. ``"LightningModule"``) for the workers, once, as a
     parcel whose sources are views of their storages (no copy of the weights is made here).
 
-    Raises ``TypeError`` naming the object that cannot be pickled, or ``ImportError`` naming the
-    class the workers could not import.
+    Raises ``TypeError`` naming the object that cannot be pickled or read back, or ``ImportError``
+    naming the class the workers could not import.
     """
     picklers: list[_ReferenceRecorder] = []
 
@@ -79,6 +80,14 @@ def pack_for_workers(objects: dict[str, Any], script_dir: Optional[str]) -> Parc
             _raise_if_unpicklable(role, obj)
         raise
     _check_importable(picklers[0].references, script_dir)
+    error = _open_error(parcel)
+    if error is not None:
+        for role, obj in objects.items():
+            _raise_if_not_rebuilt(role, obj)
+        raise TypeError(
+            f"The stage's objects ({', '.join(objects)}) pickle for the worker processes, but reading them back"
+            f" raises {type(error).__name__}: {error}. Each one alone reads back: look for objects they share."
+        ) from error
     return parcel
 
 
@@ -96,9 +105,27 @@ def travel_error(obj: Any) -> Optional[Exception]:
     return None
 
 
+def rebuild_error(obj: Any) -> Optional[Exception]:
+    """Why ``obj`` pickles for the workers but cannot be read back, or ``None`` where it can be
+    (or cannot be pickled at all, which is :func:`travel_error`'s)."""
+    try:
+        parcel = pack(obj, _ReferenceRecorder)
+    except Exception:
+        return None
+    return _open_error(parcel)
+
+
+def _open_error(parcel: Parcel) -> Optional[Exception]:
+    try:
+        open_where_packed(parcel)
+    except Exception as error:
+        return error
+    return None
+
+
 @dataclass(frozen=True)
 class Unpicklable:
-    """The innermost object under a root that cannot be pickled, where it is, and why."""
+    """The innermost object under a root that cannot travel (be pickled, or read back), where it is, and why."""
 
     path: str
     obj: Any
@@ -117,7 +144,13 @@ class Unpicklable:
 def find_unpicklable(obj: Any, path: str) -> Optional[Unpicklable]:
     """Where under ``obj`` (named ``path``) pickling fails: the innermost attribute, item or module
     child that cannot be pickled although everything it holds can; ``None`` where ``obj`` pickles."""
-    error = travel_error(obj)
+    return _innermost(obj, path, travel_error)
+
+
+def _innermost(obj: Any, path: str, error_of: Callable[[Any], Optional[Exception]]) -> Optional[Unpicklable]:
+    """The innermost object under ``obj`` (named ``path``) for which ``error_of`` gives an error
+    although it gives none for anything the object holds; ``None`` where it gives none for ``obj``."""
+    error = error_of(obj)
     if error is None:
         return None
     seen = {id(obj)}
@@ -126,7 +159,7 @@ def find_unpicklable(obj: Any, path: str) -> Optional[Unpicklable]:
             if id(child) in seen:
                 continue
             seen.add(id(child))
-            child_error = travel_error(child)
+            child_error = error_of(child)
             if child_error is not None:
                 obj, path, error = child, child_path, child_error
                 break
@@ -138,10 +171,7 @@ def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
     """What ``obj`` holds, each with its path: items, attributes, a module's submodules and tensors."""
     if isinstance(obj, dict):
         for key, value in obj.items():
-            yield (
-                (f"{path}.{key}" if path and isinstance(key, str) and key.isidentifier() else f"{path}[{key!r}]"),
-                value,
-            )
+            yield f"{path}[{key!r}]", value
     elif isinstance(obj, (list, tuple, set, frozenset)):
         for index, value in enumerate(obj):
             yield f"{path}[{index}]", value
@@ -174,6 +204,20 @@ def _raise_if_unpicklable(role: str, obj: Any) -> None:
         " Keep objects that cannot be pickled (open files, locks, generators, process pools, lambdas in"
         " closures) out of its attributes, or create them in `setup()` or `configure_model()`, which run"
         " on the workers."
+    ) from error
+
+
+def _raise_if_not_rebuilt(role: str, obj: Any) -> None:
+    found = _innermost(obj, _ROOTS[role], rebuild_error)
+    if found is None:
+        return
+    error = found.error
+    raise TypeError(
+        f"The {role} `{type(obj).__name__}` cannot be rebuilt on the worker processes, and under"
+        f" strategy='monarch' it travels to them pickled: {found.describe()} pickles, but reading it back"
+        f" raises {type(error).__name__}: {error}. Give its class a `__reduce__` that returns every argument"
+        ' its constructor needs (Python\'s `pickle` documentation, "Pickling Class Instances"), or create'
+        " the object in `setup()` or `configure_model()`, which run on the workers."
     ) from error
 
 
