@@ -417,6 +417,9 @@ class Entry:
     param_groups: Optional[list[list[dict[str, Any]]]] = None
     #: The LR scheduler configs (``specs.SchedulerConfigRef``), when they changed.
     lr_scheduler_configs: Optional[tuple[Any, ...]] = None
+    #: The module's hyperparameters (``hparams``), when they changed: a learning-rate finder sets
+    #: ``hparams.lr``, and the controller's checkpoints save them.
+    hparams: Optional[dict[str, Any]] = None
     #: Manual optimization's step count (``trainer.global_step``), when it changed.
     manual_steps: Optional[dict[str, Any]] = None
     #: Rank 0's three metric views, where :attr:`RunAhead.views` or :attr:`RunAhead.states` asks.
@@ -431,7 +434,7 @@ class Entry:
     fetched_batches: Optional[dict[str, int]] = None
     #: The warnings rank 0 showed since its last entry (``worker.held_warnings``).
     warnings: list[WorkerWarning] = field(default_factory=list)
-    #: The end of a stage that ran to its end: rank 0's :class:`ModuleAttributes`, pickled with
+    #: The end of a stage that ran to its end: rank 0's :class:`TakenBack`, pickled with
     #: cloudpickle (an attribute may be what only cloudpickle pickles, a lambda). That entry also
     #: carries rank 0's final metric views in :attr:`views` and, after an unsharded ``fit``, its
     #: final checkpoint state in :attr:`checkpoint`, so that the controller asks for none of them.
@@ -443,6 +446,10 @@ class Entry:
     #: stage (``worker.storages``), whose bytes the next stage's payload need not carry.
     held: tuple[StorageKey, ...] = ()
     failure: Optional[WorkerFailure] = None
+    #: The end of a ``fit`` that Lightning's tuner ended at its start (``Tuner.lr_find``: its
+    #: ``LearningRateFinder`` raises ``_TunerExitException`` after its trial), for the controller's
+    #: loop to end its ``fit`` alike.
+    tuner_exit: bool = False
 
 
 @dataclass(frozen=True)

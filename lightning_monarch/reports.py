@@ -102,12 +102,22 @@ class RankValue:
 
 
 @dataclass(frozen=True)
-class ModuleAttributes:
-    """A rank's module's public Python attributes that can travel, and for every other one why it
-    cannot (its pickling error)."""
+class Attributes:
+    """An object's public Python attributes on a rank that can travel, and for every other one
+    why it cannot (its pickling error)."""
 
     values: dict[str, Any]
     dropped: dict[str, str]
+
+
+@dataclass(frozen=True)
+class TakenBack:
+    """What the controller's objects take of rank 0's at the end of a stage, as a ``ddp`` script's
+    rank 0 holds its own: the module's attributes, and each worker callback's, in the order the
+    stage's payload gave them."""
+
+    module: Attributes
+    callbacks: list[Attributes]
 
 
 @dataclass(frozen=True)

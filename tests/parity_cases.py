@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import (
     EMAWeightAveraging,
     GradientAccumulationScheduler,
     LambdaCallback,
+    LearningRateFinder,
     LearningRateMonitor,
     ModelCheckpoint,
     ModelPruning,
@@ -31,6 +32,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.tuner import Tuner
 from monarch.job import ProcessJob
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -200,6 +202,11 @@ CASES: dict[str, Callable[[Path], Case]] = {
         [ModelCheckpoint(dirpath=str(out / "top_k"), monitor="val_score_unsynced", save_top_k=2)],
         default_callbacks=False,
     ),
+    # issues 55 and 56: the learning-rate finder's trial runs on the workers, the found rate then trains
+    "lr_finder": lambda out: Case(
+        models.Classifier(lr=0.01), {"max_epochs": 4}, [LearningRateFinder(min_lr=1e-4, num_training_steps=20)]
+    ),
+    "lr_find_tuner": lambda out: Case(models.Classifier(lr=0.01), {"max_epochs": 4}, stages=("lr_find", "fit")),
     "argument_new": lambda out: Case(models.DataModuleClassifier(), datamodule=compat.ConditionDataModule()),
     "swa": lambda out: Case(
         models.Classifier(), {"max_epochs": 3}, [StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)]
@@ -420,7 +427,11 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
     for stage in case.stages:
         if stage == "fit" and case.fails is not None:
             return _failed_run(trainer, model, datamodule, case, out_dir)
-        if stage == "fit":
+        if stage == "lr_find":
+            results["lr_find"] = _found(
+                Tuner(trainer).lr_find(model, datamodule=datamodule, min_lr=1e-4, num_training=20)
+            )
+        elif stage == "fit":
             trainer.fit(model, datamodule=datamodule, **case.loaders)
             if case.trainer.get("enable_checkpointing", True) and case.save_after_fit:
                 trainer.save_checkpoint(str(out_dir / "final.ckpt"))
@@ -454,6 +465,10 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
         current_epoch=trainer.current_epoch,
         best_model_score=_floats({"best": getattr(trainer.checkpoint_callback, "best_model_score", None)}).get("best"),
         callback_records=[callback.record for callback in case.callbacks if hasattr(callback, "record")],
+        lr_found=[
+            _found(callback.optimal_lr) for callback in case.callbacks if isinstance(callback, LearningRateFinder)
+        ],
+        hparams_lr=model.hparams.get("lr"),
         # the script's process is rank 0 under ddp: its random number generators after the stages
         rng={
             "torch": torch.get_rng_state(),
@@ -464,6 +479,11 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
         hparams=(logs / "hparams.yaml").read_text() if (logs / "hparams.yaml").exists() else None,
     )
     return results
+
+
+def _found(finder: Any) -> tuple[Any, Any]:
+    """What a learning-rate finder found: every rate it tried with its loss, and its suggestion."""
+    return finder.results, finder.suggestion()
 
 
 def _failed_run(

@@ -211,8 +211,6 @@ class GradientPeeker(L.Callback):
             [],
             r"`GradientAccumulationScheduler` steers",
         ),
-        ([LearningRateFinder()], [], r"LearningRateFinder` runs trial fits.*devices=1"),
-        ([], [LearningRateFinder()], r"LearningRateFinder` runs trial fits.*devices=1"),
         ([BatchSizeFinder()], [], r"BatchSizeFinder` runs trial fits.*devices=1"),
         (
             [],
@@ -242,11 +240,18 @@ def test_a_refused_on_exception_checkpoint_writes_nothing(tmp_path: Path) -> Non
     assert saver in trainer.callbacks
 
 
-def test_placing_on_the_controller_a_callback_that_sees_gradients_is_refused() -> None:
-    with pytest.raises(
-        MisconfigurationException, match=r"on_controller\(GradientPeeker\)`: it overrides `on_after_backward`"
-    ):
-        on_controller(GradientPeeker())
+@pytest.mark.parametrize(
+    ("callback", "match"),
+    [
+        (GradientPeeker(), r"on_controller\(GradientPeeker\)`: it overrides `on_after_backward`"),
+        (LearningRateFinder(), r"on_controller\(LearningRateFinder\)`: it trains the live model on trial"),
+    ],
+)
+def test_placing_on_the_controller_a_callback_that_needs_the_live_model_is_refused(
+    callback: L.Callback, match: str
+) -> None:
+    with pytest.raises(MisconfigurationException, match=match):
+        on_controller(callback)
 
 
 @pytest.mark.parametrize("place", [on_workers, on_controller])

@@ -27,6 +27,7 @@ from lightning.pytorch.trainer.connectors.accelerator_connector import _Accelera
 from lightning.pytorch.trainer.connectors.callback_connector import _load_external_callbacks
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.types import LRSchedulerTypeTuple
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "LR_SCHEDULER_TYPES",
     "Launcher",
     "LoggerConnector",
+    "TunerExit",
     "carry_fit_progress",
     "checkpoint_every_n_epochs",
     "checkpoint_schedule",
@@ -118,6 +120,9 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 LR_SCHEDULER_TYPES = LRSchedulerTypeTuple
+#: What Lightning's tuner raises to end a ``fit`` after its trial (``Tuner.lr_find``), and
+#: Lightning's ``_call_and_handle_interrupt`` handles as a finished ``fit``.
+TunerExit = _TunerExitException
 Launcher = _Launcher
 LoggerConnector = _LoggerConnector
 

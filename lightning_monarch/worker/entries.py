@@ -40,8 +40,15 @@ class EntryRecorder:
     controller learns of its Trainer between sync gates (R6)."""
 
     def __init__(
-        self, trainer: Trainer, rank: int, logger_calls: list[LoggerCall], state: RankState, final_state: bool = False
+        self,
+        trainer: Trainer,
+        rank: int,
+        logger_calls: list[LoggerCall],
+        state: RankState,
+        final_state: bool = False,
+        hparams: Optional[dict[str, Any]] = None,
     ) -> None:
+        """``hparams``: the module's hyperparameters as the stage starts, which the controller's module holds."""
         self._trainer = trainer
         self._rank = rank
         self._logger_calls = logger_calls
@@ -51,7 +58,7 @@ class EntryRecorder:
         self._eval_outputs: list[dict[str, Any]] = []
         loops_compat.record_eval_epoch_metrics(trainer, self._eval_outputs.append)
         #: What the last entry carried of what is sent only when it changed.
-        self._sent: dict[str, Any] = {}
+        self._sent: dict[str, Any] = {"hparams": dict(hparams or {})}
 
     def arrival(self) -> Arrival:
         """What rank 0 tells the controller of a gate before its hook runs: the values
@@ -104,6 +111,7 @@ class EntryRecorder:
                 "lr_scheduler_configs",
                 SchedulerConfigRef.describe(self._trainer.lr_scheduler_configs, self._trainer.optimizers),
             ),
+            hparams=self._hyperparameters(),
             manual_steps=self._manual_steps(),
             views=metric_views,
             checkpoint=self._state.checkpoint_state(copy=True) if staged else None,
@@ -115,17 +123,30 @@ class EntryRecorder:
     def end(self) -> Entry:
         """The entry that ends a stage that ran to its end (R3). Every rank reads the metric views,
         as they would be read where the controller's loop ends the stage; rank 0's entry carries
-        them, its module's attributes and, after an unsharded ``fit``, its final checkpoint state:
+        them, its module's and worker callbacks' attributes and, after an unsharded ``fit``, its final checkpoint state:
         what the controller takes when the stage ends, in the message that ends it."""
         entry = self.entry(None, self.arrival(), None, [], views=True)
         if self._rank != 0:
             return entry
         return dataclasses.replace(
             entry,
-            attributes=cloudpickle.dumps(self._state.module_attributes()),
+            attributes=cloudpickle.dumps(self._state.taken_back()),
             rng=lightning_compat.rng_states(include_cuda=False),
             checkpoint=self._state.checkpoint_state() if self._final_state else None,
         )
+
+    def _hyperparameters(self) -> Optional[dict[str, Any]]:
+        """The module's hyperparameters where they changed since the last entry."""
+        module = self._trainer.lightning_module
+        hparams = dict(module.hparams) if module is not None else {}
+        try:
+            same = bool(self._sent["hparams"] == hparams)
+        except Exception:  # values whose comparison gives no truth value (tensors) are sent
+            same = False
+        if same:
+            return None
+        self._sent["hparams"] = hparams
+        return to_cpu(hparams)
 
     def _manual_steps(self) -> Optional[dict[str, Any]]:
         """Manual optimization's step count where it changed: in a training loop whose module

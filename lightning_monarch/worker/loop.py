@@ -49,6 +49,7 @@ from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.notices import any_host_noticed
 from lightning_monarch.worker.state import RankState
 from lightning_monarch.worker.stats import memory_in_use_mib
+from lightning_monarch.worker.trial import Trial
 
 #: How long rank 0 holds its entries for more once the controller asks for them, while its batches
 #: start less than this apart and the controller does not need them at once (``StageLoop.fetch``):
@@ -145,6 +146,8 @@ class StageLoop:
         self._gate: Optional[str] = None
         self._failed_gate: Optional[str] = None
         self._free_running = False
+        #: A worker callback's trial inside the stage (``worker.trial``).
+        self.trial = Trial(trainer, self.around)
 
     # ----- endpoint thread -------------------------------------------------------------------
 
@@ -266,6 +269,8 @@ class StageLoop:
         """Runs on the loop thread at every gated hook call (R2-R5)."""
         if self._free_running:
             return fn(*args, **kwargs)
+        if self.trial.running:
+            return self.trial.through(gate, fn, args, kwargs)
         if self._resume is not None:
             return self._catch_up(gate, fn, args, kwargs)
         if self._depth:
@@ -428,7 +433,7 @@ class StageLoop:
     def _main(self) -> None:
         try:
             self._run()
-            end = dataclasses.replace(self._recorder.end(), held=self._hold())
+            end = dataclasses.replace(self._recorder.end(), held=self._hold(), tuner_exit=self.trial.tuner_exit)
         except BaseException as error:
             self._free_running = True
             end = Entry(

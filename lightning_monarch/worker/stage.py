@@ -17,7 +17,7 @@ from typing import Any, Optional, cast
 import torch
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, LearningRateFinder
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_monarch._compat import lightning as lightning_compat
@@ -133,6 +133,9 @@ def _build(
         )
     lightning_compat.carry_fit_progress(trainer, spec.fit_loop_state)
     install_hook_gates(module, "module", MODULE_HOOKS, around)
+    for callback in worker_callbacks:
+        if isinstance(callback, LearningRateFinder):  # its trial fit: ``worker.trial``
+            install_hook_gates(callback, "trial", ["lr_find"], lambda gate, fn, args, kwargs: loop.trial.run(fn, *args))
     if config.sharding is not None:
         shard_in_configure_model(module, config.sharding, kept)
     if datamodule is not None:
@@ -166,9 +169,14 @@ def _build(
             settings.undo()
 
     resume = spec.resume.ranks[rank] if spec.resume is not None else None
-    state = RankState(trainer, rank)
+    state = RankState(trainer, rank, worker_callbacks)
     recorder = EntryRecorder(
-        trainer, rank, logger_calls, state, final_state=spec.fn == "fit" and config.sharding is None
+        trainer,
+        rank,
+        logger_calls,
+        state,
+        final_state=spec.fn == "fit" and config.sharding is None,
+        hparams=dict(module.hparams),
     )
     loop = StageLoop(trainer, run, rank, recorder, state, spec.run_ahead, resume, lambda: storages.hold(state.module))
     return loop

@@ -13,12 +13,13 @@ from typing import Any, Optional
 
 import cloudpickle
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from torch.optim import Optimizer
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.gates import GateCallback
 from lightning_monarch.protocol import METRIC_VIEWS, MODULE_HOOKS
-from lightning_monarch.reports import CheckpointState, ModuleAttributes, RankValue
+from lightning_monarch.reports import Attributes, CheckpointState, RankValue, TakenBack
 from lightning_monarch.specs import RankSnapshot
 from lightning_monarch.worker.describe import cpu_copy, to_cpu
 
@@ -27,9 +28,11 @@ class RankState:
     """Runs in each worker: this rank's Trainer state for the controller's out-of-band requests
     (R5), its checkpoint state, and its recovery snapshots, written and restored."""
 
-    def __init__(self, trainer: Trainer, rank: int) -> None:
+    def __init__(self, trainer: Trainer, rank: int, callbacks: list[Any]) -> None:
+        """``callbacks``: the stage's worker callbacks, in the order its payload gave them."""
         self._trainer = trainer
         self._rank = rank
+        self._callbacks = callbacks
 
     @property
     def module(self) -> Any:
@@ -58,22 +61,21 @@ class RankState:
         """This rank's ``trainer.<view>[key]`` (``None`` if it has none)."""
         return RankValue(self._rank, to_cpu(getattr(self._trainer, view).get(key)))
 
-    def module_attributes(self) -> ModuleAttributes:
+    def module_attributes(self) -> Attributes:
         """The module's public Python attributes (counters, lists, tensors that are not buffers)
-        that can travel: after a stage, the controller's module takes rank 0's, as the module in a
-        DDP script's rank 0 would have them. One created on the worker and bound to it (a file, a
-        lock) stays there, and the controller is told which and why."""
-        values, dropped = {}, {}
-        for name, value in vars(self.module).items():
-            if name.startswith("_") or name == "training" or _bound_here(name, value, self.module):
-                continue
-            try:
-                cloudpickle.dumps(value)
-            except Exception as error:
-                dropped[name] = f"{type(error).__name__}: {error}"
-                continue
-            values[name] = to_cpu(value)
-        return ModuleAttributes(values, dropped)
+        and its hyperparameters (``hparams``, which a learning-rate finder sets) that can travel:
+        after a stage, the controller's module takes rank 0's, as the module in a DDP script's rank
+        0 would have them. One created on the worker and bound to it (a file, a lock) stays there,
+        and the controller is told which and why."""
+        return _attributes(self.module, cloudpickle.dumps, also=("_hparams",))
+
+    def taken_back(self) -> TakenBack:
+        """What the controller's module and worker callbacks take of this rank's at the end of a
+        stage. A callback's attribute that holds this rank's live Trainer, module or optimizers
+        stays here without a word: the controller's instance keeps its own."""
+        return TakenBack(
+            self.module_attributes(), [_attributes(callback, _LiveRefusing.check) for callback in self._callbacks]
+        )
 
     def module_children(self) -> dict[str, Any]:
         """The module's direct submodules (on CPU after the stage's teardown): the controller takes
@@ -128,6 +130,43 @@ class RankState:
             "precision": self._trainer.precision_plugin.state_dict(),
         }
         return CheckpointState(**(cpu_copy if copy else to_cpu)(state))
+
+
+def _attributes(obj: Any, check: Any, also: tuple[str, ...] = ()) -> Attributes:
+    """``obj``'s public attributes, and those named in ``also``, that ``check`` pickles without an
+    error; for each other one, why it cannot travel (a :class:`_Live` one is left out)."""
+    values, dropped = {}, {}
+    for name, value in vars(obj).items():
+        if (name.startswith("_") and name not in also) or name == "training" or _bound_here(name, value, obj):
+            continue
+        try:
+            check(value)
+        except _Live:
+            continue
+        except Exception as error:
+            dropped[name] = f"{type(error).__name__}: {error}"
+            continue
+        values[name] = to_cpu(value)
+    return Attributes(values, dropped)
+
+
+class _Live(Exception):
+    """A value holds a rank's live Trainer, module or optimizer (:class:`_LiveRefusing`)."""
+
+
+class _LiveRefusing(cloudpickle.Pickler):
+    """Pickles a worker callback's attribute to see that it can travel, and raises :class:`_Live`
+    where it holds a Trainer, a LightningModule or an optimizer: this rank's live objects, which
+    the controller's callback must not take a copy of (nor of a datamodule)."""
+
+    @classmethod
+    def check(cls, value: Any) -> None:
+        cls(io.BytesIO()).dump(value)
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (Trainer, LightningModule, LightningDataModule, Optimizer)):
+            raise _Live()
+        return super().reducer_override(obj)
 
 
 def _bound_here(name: str, value: Any, module: Any) -> bool:

@@ -203,7 +203,8 @@ class MonarchLauncher(lightning_compat.Launcher):
             if session.final_state is not None:
                 placement.take_back(session.final_state.callbacks)
             ended_cleanly = True
-            return result
+            if session.tuner_exit is None:
+                return result
         except BaseException as error:
             if isinstance(error, Exception):  # not on an interrupt: the user wants out
                 _show_held_warnings(warned, mesh)
@@ -219,6 +220,9 @@ class MonarchLauncher(lightning_compat.Launcher):
                 elastic.restore()
             if silence is not None:
                 silence()
+        # Lightning's handler of its tuner's exit tears the ``fit`` down here, after the workers did
+        _skip_teardown_once(module, datamodule)
+        raise session.tuner_exit
 
     def _run_stage(
         self,
@@ -270,7 +274,10 @@ class MonarchLauncher(lightning_compat.Launcher):
                         calling[name] = plan_loaders(
                             LoaderRef.describe(arguments[name]), loader_args[name], session.loaders
                         )
-                result = function(**calling)
+                try:
+                    result = function(**calling)
+                except lightning_compat.TunerExit as exit:
+                    result, session.tuner_exit = None, exit
                 session.finish(stage)
             return session, result
         finally:
@@ -438,6 +445,17 @@ def _ready_again(error: BaseException, mesh: WorkerMesh) -> bool:
 
 def _skip(gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     """The datamodule's ``on_exception`` ran on the worker that failed; it must not run here too."""
+
+
+def _skip_teardown_once(*objects: Any) -> None:
+    """Let the next ``teardown`` of each of ``objects`` (the module, the datamodule) do nothing: it
+    ran on the workers, where they were set up, and the controller's mirrors hold nothing to tear
+    down. For the teardown that Lightning's handler of ``Tuner.lr_find``'s exit runs, outside the
+    stage's gates."""
+    for obj in objects:
+        if obj is not None:
+            undo: list[Callable[[], None]] = []
+            undo.append(install_hook_gates(obj, "controller", ["teardown"], lambda *args, undo=undo: undo[0]()))
 
 
 def _silence_on_exception(datamodule: Optional[LightningDataModule]) -> Optional[Callable[[], None]]:

@@ -61,6 +61,7 @@ _NEED_LIVE_MODEL = {
     ThroughputMonitor: "measures the batches, which only the workers hold",
     SpikeDetection: "watches each rank's own loss and combines the ranks' findings",
     StochasticWeightAveraging: "averages the live parameters and swaps the LR schedulers",
+    LearningRateFinder: "trains the live model on trial, restores it and sets the learning rate it found",
 }
 
 #: Callbacks that change the loop itself on the workers in a way the controller's loop cannot
@@ -69,10 +70,6 @@ _UNSUPPORTED = {
     BatchSizeFinder: (
         "runs trial fits inside `trainer.fit`",
         "Find the batch size with `BatchSizeFinder` under `Trainer(devices=1)` first, then set it on your datamodule",
-    ),
-    LearningRateFinder: (
-        "runs trial fits inside `trainer.fit`",
-        "Find the learning rate with `LearningRateFinder` under `Trainer(devices=1)` first, then set it on your module",
     ),
     OnExceptionCheckpoint: (
         "saves the workers' state after a failure, when a failed worker can no longer give it",
@@ -126,6 +123,11 @@ def _place(callback: C, where: str, name: str) -> C:
             f"`lightning_monarch.on_controller({kind.__name__})`: it overrides `{hook}`, which Lightning calls"
             " inside backward and the optimizer step, on the workers: on the controller it would never run."
             " Leave it on the workers (drop `on_controller`)."
+        )
+    if where == "controller" and issubclass(kind, LearningRateFinder):
+        raise MisconfigurationException(
+            f"`lightning_monarch.on_controller({kind.__name__})`: it {_NEED_LIVE_MODEL[LearningRateFinder]},"
+            " which only the workers hold. Leave it on the workers (drop `on_controller`)."
         )
     setattr(callback, _PLACED, where)
     return callback

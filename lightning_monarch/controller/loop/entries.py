@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Optional
 
+from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
 from lightning_monarch.errors import DivergenceError, WorkerError
@@ -35,7 +36,9 @@ class EntryQueue:
 
     def first(self, ending: bool) -> Entry:
         """The next entry, fetched if none is waiting; the end of the stage raises its failure, or
-        an error unless the controller's loop is ``ending`` the stage."""
+        unless the controller's loop is ``ending`` the stage, Lightning's tuner exit where the
+        workers' tuner ended their ``fit`` (``Tuner.lr_find``; ``StageSession.finish`` takes it
+        after), and an error elsewhere."""
         idle = 0
         while not self._entries:
             if idle:  # the workers sent nothing: they may wait for credit (R4)
@@ -52,6 +55,8 @@ class EntryQueue:
             if entry.failure is not None:
                 self._warned.show_rank0(entry.warnings)
                 raise WorkerError(entry.failure)
+            if not ending and entry.tuner_exit:
+                raise lightning_compat.TunerExit()
             if not ending:
                 raise DivergenceError(
                     "The workers' rank 0 finished the stage where the controller's loop goes on: the two"

@@ -24,7 +24,6 @@ from typing import Any, Optional
 import cloudpickle
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
@@ -47,6 +46,7 @@ from lightning_monarch.controller.loop.plan import (
 from lightning_monarch.controller.loop.predictions import PredictionCollector
 from lightning_monarch.controller.loop.replay import replay_in_bulk
 from lightning_monarch.controller.loop.requests import WorkerRequests
+from lightning_monarch.controller.loop.taken_back import take_attributes
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.storages import KeptShards
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
@@ -67,7 +67,7 @@ from lightning_monarch.protocol import (
     gate_id,
     set_control_state,
 )
-from lightning_monarch.reports import CheckpointState, ModuleAttributes
+from lightning_monarch.reports import CheckpointState
 
 _BASES = {"module": LightningModule, "datamodule": LightningDataModule}
 
@@ -132,6 +132,8 @@ class StageSession:
         #: What the controller's code asks of every worker where they wait (R5).
         self.requests = WorkerRequests(channel, self._require_parked)
         self.final_state: Optional[CheckpointState] = None
+        #: What ended the controller's ``fit`` where the workers' tuner ended theirs (``Tuner.lr_find``).
+        self.tuner_exit: Optional[BaseException] = None
 
     @contextmanager
     def installed(self) -> Iterator[StageSession]:
@@ -306,6 +308,9 @@ class StageSession:
         follow_optimizers(trainer, entry.param_groups, entry.lr_scheduler_configs, self.checkpoint_state)
         if entry.manual_steps is not None:
             lightning_compat.manual_step_progress(trainer).load_state_dict(entry.manual_steps)
+        if entry.hparams is not None:
+            self._module.hparams.clear()
+            self._module.hparams.update(entry.hparams)
         self._views = entry.views
         self._arrive(entry)
 
@@ -431,18 +436,9 @@ class StageSession:
         self._channel.mesh.held = frozenset(entry.held)
         module = self._module
         assert entry.attributes is not None  # rank 0's end entry of a stage that ran to its end has them
-        attributes: ModuleAttributes = cloudpickle.loads(entry.attributes)
-        vars(module).update(attributes.values)
+        take_attributes(cloudpickle.loads(entry.attributes), module, self.worker_callbacks)
         if entry.rng is not None:
             lightning_compat.set_rng_states(entry.rng)
-        if attributes.dropped:
-            reasons = "; ".join(f"`{name}` ({why})" for name, why in sorted(attributes.dropped.items()))
-            rank_zero_warn(
-                f"`{type(module).__name__}`: the workers' module has public attributes that cannot be pickled:"
-                f" {reasons}. After the stage, the controller's module takes rank 0's public attributes, as"
-                " the module of a `ddp` script's rank 0 would have them, but not these: it keeps its own. Make"
-                " them picklable, or keep them out of the public attributes (a name that starts with `_`)."
-            )
         if stage == "predict":
             self.predictions.add(self._channel.mesh.predictions())
         if stage == "fit" and self.sharded:
