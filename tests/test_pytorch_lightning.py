@@ -29,6 +29,7 @@ from tests.models import Classifier
 from tests.pl import compat_models as pl_compat_models
 from tests.pl import models as pl_models
 from tests.pl import test_cli as pl_cli
+from tests.pl import test_controller_callbacks as pl_controller_callbacks
 from tests.pl import test_fsdp as pl_fsdp
 from tests.pl import test_layout as pl_layout
 from tests.pl import test_mesh_stats as pl_mesh_stats
@@ -48,7 +49,8 @@ pytestmark = pytest.mark.timeout(900)
 #: (every case with the default callbacks, ``top_k_last``, ``checkpoint_every_n_steps``), a resume,
 #: manual optimization (``manual_gan``), run-ahead views, per-rank predictions, and Lightning's
 #: callbacks that run on the workers (``backbone_finetuning`` to ``weights_lambda_on_workers``),
-#: each rank's early stopping on an unsynced metric, and objects whose ``__new__`` wants arguments.
+#: each rank's early stopping and top k on an unsynced metric, the learning-rate finder, and
+#: objects whose ``__new__`` wants arguments.
 PL_CASES = (
     "plain",
     "accumulate_clip",
@@ -60,6 +62,8 @@ PL_CASES = (
     "resume",
     "fit_again",
     "gradient_callback",
+    "accumulation_scheduler",
+    "lambda_callback",
     "iterable_dataset",
     "loop_flags",
     "step_outputs",
@@ -74,6 +78,8 @@ PL_CASES = (
     "spike_detection",
     "weights_lambda_on_workers",
     "early_stopping_unsynced",
+    "top_k_unsynced",
+    "lr_finder",
     "argument_new",
 )
 #: The sharded case, compared to ``ddp`` as ``tests/test_fsdp.py`` compares it, to float tolerance.
@@ -126,6 +132,25 @@ def test_a_fit_after_a_rehearsal_equals_a_fit_without_one(tmp_path: Path) -> Non
 
 def test_mesh_stats_monitor_names_a_straggler(tmp_path: Path) -> None:
     pl_mesh_stats.test_a_straggler_is_named(pl_mesh_stats.StragglerClassifier, tmp_path)
+
+
+def test_lightnings_device_and_throughput_monitors_log_from_the_workers(tmp_path: Path) -> None:
+    pl_mesh_stats.test_lightnings_device_and_throughput_monitors_log_from_the_workers(tmp_path)
+
+
+@pytest.mark.parametrize("rich", [False, True], ids=["tqdm", "rich"])
+def test_progress_bar_and_summary_show_the_model_once(rich: bool, capfd: Any, caplog: Any) -> None:
+    callbacks = pytorch_lightning.callbacks
+    bar, summary = (
+        (callbacks.RichProgressBar, callbacks.RichModelSummary)
+        if rich
+        else (callbacks.TQDMProgressBar, callbacks.ModelSummary)
+    )
+    pl_controller_callbacks.test_progress_bar_and_summary_show_the_model_once(bar, summary, capfd, caplog)
+
+
+def test_max_time_stops_the_workers() -> None:
+    pl_controller_callbacks.test_max_time_stops_the_workers()
 
 
 def test_preflight_gives_every_problem_of_every_worker_in_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
