@@ -297,6 +297,19 @@ def _new_wants_arguments(cls: type) -> bool:
     return True
 
 
+def made_with_abstract_methods(make: Callable[..., Any], abstract: frozenset[str], *args: Any) -> Any:
+    """An abstract class that cloudpickle sends by value (defined in a notebook or a function),
+    made with cloudpickle's ``make(*args)`` and given the abstract methods it has where it was
+    packed. Runs on the workers, as they open a parcel: cloudpickle makes the class from its bases
+    alone, so every abstract method of theirs is abstract in it until its attributes are set, and
+    its state leaves out an empty ``__abstractmethods__`` (the same object as ``abc.ABC``'s). A
+    class whose attributes stand for its bases' abstract properties (a PINA problem's
+    ``conditions``) could then not be instantiated, by its own state's objects least of all."""
+    cls = make(*args)
+    cls.__abstractmethods__ = abstract
+    return cls
+
+
 def _made_blank(cls: type) -> Any:
     """An instance of ``cls`` made without its ``__new__`` and ``__init__``, for its state to fill.
     Runs on the workers, as they open a parcel (:func:`reduce_without_new`)."""

@@ -6,12 +6,17 @@ Runs in this process: it is the same code on both sides.
 
 from __future__ import annotations
 
+import abc
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_monarch.codec import decode, encode
+from lightning_monarch.controller.mesh.payload import pack_for_workers
 from lightning_monarch.protocol import Entry, LoggerCall
 
 
@@ -81,3 +86,42 @@ def test_entries_travel_whole() -> None:
     assert [entry.gate for entry in back] == ["module.training_step", None]
     assert back[0].logger_calls[0].args[0]["loss"].item() == 1.5
     assert back[0].views == {"callback_metrics": {"loss": torch.tensor(1.5)}}
+
+
+class _Problem(abc.ABC):
+    """As PINA's problems are: abstract properties that a subclass gives as class attributes."""
+
+    @property
+    @abc.abstractmethod
+    def conditions(self) -> dict: ...
+
+
+def _notebook_problem() -> _Problem:
+    """A problem class made where it is used, as a notebook makes it: cloudpickle sends it by value.
+    Its conditions refer back to the problem, so the class's state holds an instance of it."""
+
+    class Problem(_Problem):
+        conditions: dict = {}
+
+    problem = Problem()
+    Problem.conditions["x"] = {"problem": problem}
+    return problem
+
+
+def test_an_abstract_class_sent_by_value_is_made_concrete_in_a_fresh_process(tmp_path: Path) -> None:
+    parcel = pack_for_workers({"LightningModule": _notebook_problem()}, None)
+    (tmp_path / "parcel").write_bytes(parcel.data)
+    opened = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from lightning_monarch.codec import Parcel, open_parcel;"
+            " (problem,) = open_parcel(Parcel(open(sys.argv[1], 'rb').read()), []);"
+            " print(problem.conditions['x']['problem'] is problem)",
+            str(tmp_path / "parcel"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert opened.stdout.strip() == "True", opened.stderr

@@ -12,6 +12,7 @@ here with its path and the fix, instead of as an unpickling error on a remote pr
 
 from __future__ import annotations
 
+import abc
 import functools
 import importlib.util
 import io
@@ -30,7 +31,14 @@ from lightning.pytorch import Trainer
 from torch import nn
 from typing_extensions import override
 
-from lightning_monarch.codec import Parcel, TensorPickling, open_where_packed, pack, reduce_without_new
+from lightning_monarch.codec import (
+    Parcel,
+    TensorPickling,
+    made_with_abstract_methods,
+    open_where_packed,
+    pack,
+    reduce_without_new,
+)
 
 
 class _ReferenceRecorder(TensorPickling, cloudpickle.Pickler):
@@ -53,6 +61,9 @@ class _ReferenceRecorder(TensorPickling, cloudpickle.Pickler):
         if without_new is not None:
             return without_new
         reduced = super().reducer_override(obj)
+        if isinstance(obj, abc.ABCMeta) and isinstance(reduced, tuple) and len(reduced) == 6:
+            # a class sent by value: made with the abstract methods it has here
+            reduced = (functools.partial(made_with_abstract_methods, reduced[0], obj.__abstractmethods__), *reduced[1:])
         if reduced is NotImplemented and isinstance(obj, (type, types.FunctionType)):
             module = getattr(obj, "__module__", None)
             if module and module != "__main__":
