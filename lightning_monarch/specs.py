@@ -81,6 +81,17 @@ class ShardingSpec:
 
 
 @dataclass(frozen=True)
+class TrainerSubclass:
+    """A library's subclass of Lightning's ``Trainer`` (PINA's), and the attributes its instance
+    adds to Lightning's: each worker's Trainer is of that class, with those attributes, as each DDP
+    rank's Trainer is, for module code that reads them (``self.trainer.logging_kwargs``). Its
+    ``__init__`` does not run there (it ran on the controller), nor its ``fit``: Lightning's runs."""
+
+    cls: type
+    attributes: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The controller Trainer's flags that a worker's Trainer must share so both loops agree (R1)."""
 
@@ -143,7 +154,8 @@ class StageSpec:
 
     ``fit_loop_state`` is the controller's ``trainer.fit_loop.state_dict()``: a Trainer that ran
     ``fit`` before carries its epoch and step into later stages, and so must each worker's.
-    ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks)``, a
+    ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks, trainer)``
+    (``trainer`` a :class:`TrainerSubclass` or ``None``), a
     ``codec.Parcel``: it is pickled once on the controller (where a failure is reported before any
     worker starts), and every worker gets its pickle, while its large storages (the weights) leave
     the controller at most once, as ``shipment`` says, and not at all where the workers hold them

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -29,6 +30,8 @@ from lightning.pytorch.trainer.connectors.logger_connector.logger_connector impo
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.types import LRSchedulerTypeTuple
+
+from lightning_monarch.specs import TrainerSubclass
 
 __all__ = [
     "CHECKED_WITH",
@@ -62,6 +65,7 @@ __all__ = [
     "top_k_decision",
     "top_k_update",
     "trainer_flags",
+    "trainer_subclass",
     "without_external_callbacks",
 ]
 
@@ -323,6 +327,32 @@ def decision_caller() -> tuple[Any, str]:
     ``EarlyStopping`` and ``ModelCheckpoint``'s top-k decide from the metric they monitor."""
     frame = sys._getframe(2)
     return frame.f_locals.get("self"), frame.f_code.co_name
+
+
+#: What Lightning's Trainer sets on itself after its ``__init__`` (the time-based validation clock).
+_SET_LATER = frozenset({"_last_val_time", "_train_start_time"})
+
+
+@functools.cache
+def _lightnings_own(cls: type) -> frozenset[str]:
+    """The instance attributes that Lightning's ``cls`` (its ``Trainer``) sets on itself."""
+    quiet = logging.getLogger(cls.__module__.split(".")[0])
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        plain = cls(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    finally:
+        quiet.setLevel(level)
+    return frozenset(vars(plain)) | _SET_LATER
+
+
+def trainer_subclass(trainer: Trainer) -> Optional[TrainerSubclass]:
+    """``trainer``'s class and the attributes it adds to Lightning's, where it is a subclass of
+    Lightning's ``Trainer`` (a library's, e.g. PINA's); ``None`` for Lightning's own."""
+    cls = type(trainer)
+    if cls is Trainer:
+        return None
+    own = _lightnings_own(Trainer)
+    return TrainerSubclass(cls, {name: value for name, value in vars(trainer).items() if name not in own})
 
 
 def stopping_decision(callback: Any, current: Any) -> bool:

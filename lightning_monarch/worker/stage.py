@@ -94,7 +94,7 @@ def _build(
     settings: StageSettings,
 ) -> StageLoop:
     """:func:`build_stage`, once the stage's settings are made; ``run`` undoes them."""
-    module, datamodule, loaders, worker_callbacks = open_parcel(spec.payload, storages.take(spec.payload))
+    module, datamodule, loaders, worker_callbacks, subclass = open_parcel(spec.payload, storages.take(spec.payload))
     settings.make_library_settings()  # scvi's seed setter seeds torch: before the next line
     if spec.torch_rng is not None and (first or spec.torch_rng.changed):
         torch.set_rng_state(torch.frombuffer(bytearray(spec.torch_rng.state), dtype=torch.uint8))
@@ -108,8 +108,11 @@ def _build(
     loggers, logger_calls = recording_loggers(spec.loggers)
     # each GPU worker sees only its own device (``worker.process``): cuda:0 on every rank
     parallel_devices = [torch.device("cuda", 0)] * config.devices if config.accelerator == "cuda" else None
+    # a library's Trainer subclass: its instance, made by Lightning's ``__init__`` (``specs.TrainerSubclass``)
+    trainer = Trainer.__new__(subclass.cls if subclass is not None else Trainer)
     with lightning_compat.without_external_callbacks():
-        trainer = Trainer(
+        Trainer.__init__(
+            trainer,
             accelerator=config.accelerator,
             devices=config.devices,
             num_nodes=config.num_nodes,
@@ -131,6 +134,8 @@ def _build(
             enable_autolog_hparams=False,
             **config.flags,
         )
+    if subclass is not None:
+        vars(trainer).update(subclass.attributes)
     lightning_compat.carry_fit_progress(trainer, spec.fit_loop_state)
     install_hook_gates(module, "module", MODULE_HOOKS, around)
     for callback in worker_callbacks:
@@ -151,7 +156,8 @@ def _build(
         ckpt_path = snapshot_file.path
     storages.end_of_stage()
     stage = functools.partial(
-        getattr(trainer, spec.fn),
+        getattr(Trainer, spec.fn),  # Lightning's own: a subclass's override ran on the controller
+        trainer,
         module,
         datamodule=datamodule,
         ckpt_path=ckpt_path,

@@ -28,6 +28,7 @@ CLIENTS: dict[str, tuple[str, str, str]] = {
     "pyg": ("PyTorch Geometric", "graphs", "lightning.pytorch"),
     "darts": ("darts", "forecasting", "pytorch_lightning"),
     "finetuning_scheduler": ("finetuning-scheduler", "fine-tuning", "lightning.pytorch"),
+    "pina": ("PINA", "physics-informed learning", "lightning.pytorch"),
 }
 
 

@@ -355,6 +355,7 @@ class MonarchLauncher(lightning_compat.Launcher):
                 "LightningDataModule": datamodule,
                 "dataloaders": loaders,
                 "worker_callbacks": worker_callbacks,
+                "Trainer": lightning_compat.trainer_subclass(trainer),
             },
             script_dir,
         )

@@ -238,6 +238,7 @@ _ROOTS = {
     "LightningDataModule": "datamodule",
     "dataloaders": "",
     "worker_callbacks": "worker_callbacks",
+    "Trainer": "trainer",
 }
 
 

@@ -1,0 +1,72 @@
+"""PINA (``pina-mathlab``, ``lightning.pytorch``): a physics-informed neural network solving the
+Poisson equation on the unit square, as PINA's first tutorial trains one: a ``SpatialProblem``
+with a domain-equation condition inside and a Dirichlet condition on the boundary, the domains
+discretised on a grid, a ``FeedForward`` network, ``PhysicsInformedSingleModelSolver``, and PINA's
+own ``Trainer`` (a subclass of Lightning's that builds the datamodule from the problem) with
+``trainer.train()`` and ``trainer.test()``.
+
+What it exercises: a library Trainer subclass that builds its own datamodule; conditions whose
+class checks its arguments in ``__new__`` (PINA's ``InputEquationCondition``, which pickle writes
+but cannot read back by itself); inputs that are ``LabelTensor`` (a tensor subclass with labels);
+gradients of the network's output with respect to its inputs in ``training_step``
+(``inference_mode=False``, which PINA's Trainer sets). The problem class is defined where the
+run is, as the tutorial defines it in its notebook: it travels by value, with the conditions PINA
+moved the discretised points into.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning import pytorch as pl
+from pina import Condition, Trainer
+from pina.domain import CartesianDomain
+from pina.equation import FixedValue
+from pina.model import FeedForward
+from pina.problem import SpatialProblem
+from pina.problem.zoo import Poisson2DSquareProblem
+from pina.solver import PhysicsInformedSingleModelSolver
+
+import lightning_monarch  # noqa: F401 - registers strategy="monarch"
+from tests.clients import results
+
+
+def _poisson() -> SpatialProblem:
+    """The tutorial's problem: PINA's Poisson equation and forcing term, written out as a user would."""
+    zoo = Poisson2DSquareProblem
+
+    class Poisson(SpatialProblem):
+        output_variables = ["u"]
+        spatial_domain = CartesianDomain({"x": [0, 1], "y": [0, 1]})
+        domains = {"D": spatial_domain, "boundary": spatial_domain.partial()}
+        conditions = {
+            "boundary": Condition(domain="boundary", equation=FixedValue(0.0)),
+            "D": Condition(domain="D", equation=zoo.conditions["D"].equation),
+        }
+
+    problem = Poisson()
+    problem.discretise_domain(n=12, mode="grid", domains="D")
+    problem.discretise_domain(n=10, mode="grid", domains="boundary")
+    return problem
+
+
+def train(strategy: str, out_dir: Path) -> Optional[dict[str, Any]]:
+    pl.seed_everything(0)
+    problem = _poisson()
+    model = FeedForward(input_dimensions=2, output_dimensions=1, inner_size=10, n_layers=2)
+    solver = PhysicsInformedSingleModelSolver(problem=problem, model=model)
+    trainer = Trainer(
+        solver=solver,
+        batch_size=8,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out_dir),
+    )
+    trainer.train()
+    return results(trainer, solver, out_dir)
