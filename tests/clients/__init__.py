@@ -29,6 +29,7 @@ CLIENTS: dict[str, tuple[str, str, str]] = {
     "darts": ("darts", "forecasting", "pytorch_lightning"),
     "finetuning_scheduler": ("finetuning-scheduler", "fine-tuning", "lightning.pytorch"),
     "pina": ("PINA", "physics-informed learning", "lightning.pytorch"),
+    "torchsurv": ("TorchSurv", "survival analysis", "lightning.pytorch"),
 }
 
 
