@@ -30,6 +30,7 @@ CLIENTS: dict[str, tuple[str, str, str]] = {
     "finetuning_scheduler": ("finetuning-scheduler", "fine-tuning", "lightning.pytorch"),
     "pina": ("PINA", "physics-informed learning", "lightning.pytorch"),
     "torchsurv": ("TorchSurv", "survival analysis", "lightning.pytorch"),
+    "monai": ("MONAI", "medical imaging", "lightning.pytorch"),
 }
 
 
