@@ -209,7 +209,7 @@ def test_two_gpu_workers_get_past_stage_start() -> None:
     ``devices=2`` while it sees one GPU, in the environment its process really starts with."""
     spec = StageSpec(
         fn="fit",
-        payload=pack((Classifier(), None, {}, [OneVisibleGPU()])),
+        payload=pack((Classifier(), None, {}, [OneVisibleGPU()], None)),
         ckpt_path=None,
         weights_only=None,
         fit_loop_state=L.Trainer(logger=False).fit_loop.state_dict(),
