@@ -4,6 +4,7 @@ of ``MonarchStrategy(hosts=[...])`` and the elastic benchmark; and the host proc
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ from typing import Optional
 
 import psutil
 
+from lightning_monarch.controller.mesh.forkserver import is_worker_process
 from lightning_monarch.controller.mesh.hosts import reachable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,27 +45,83 @@ class ServedHost:
         self.process: Optional[subprocess.Popen] = None
 
     def start(self) -> None:
-        """Serve, and wait until the address accepts a connection."""
+        """Serve, and wait until the address accepts a connection; raise after 30 s without one."""
         self.stop()
-        serve = (
-            ["-m", "lightning_monarch", "serve", self.address]
-            if self._notices
-            else [
-                "-c",
-                "from monarch.actor import run_worker_loop_forever;"
-                f" run_worker_loop_forever(address={self.address!r}, ca='trust_all_connections')",
-            ]
-        )
-        self.process = subprocess.Popen([self._python, *serve], cwd=ROOT, env=self._env, start_new_session=True)
+        self.process = subprocess.Popen(self._command(), cwd=ROOT, env=self._env, start_new_session=True)
         deadline = time.monotonic() + 30
-        while not reachable(self.address) and time.monotonic() < deadline:
+        while not reachable(self.address):
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"The host at {self.address} did not serve within 30 s: {self._command()}")
             time.sleep(0.1)
+
+    def _command(self) -> list[str]:
+        if self._notices:
+            return [self._python, "-m", "lightning_monarch", "serve", self.address]
+        return [
+            self._python,
+            "-c",
+            "from monarch.actor import run_worker_loop_forever;"
+            f" run_worker_loop_forever(address={self.address!r}, ca='trust_all_connections')",
+        ]
+
+    def worker_processes(self) -> list[psutil.Process]:
+        """The worker processes this host started and all their descendants (DataLoader workers,
+        the fork server that starts them), as this machine sees them."""
+        if self.process is None:
+            return []
+        with suppress(psutil.NoSuchProcess):
+            workers = [
+                child for child in psutil.Process(self.process.pid).children(recursive=True) if _is_worker(child)
+            ]
+            return [*workers, *(child for worker in workers for child in _descendants(worker))]
+        return []
 
     def stop(self) -> None:
         if self.process is not None:
             with suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+class HiddenHost(ServedHost):
+    """A served host that the controller cannot see, as a second machine would be: ``lightning-monarch
+    serve`` in UTS and PID namespaces of its own, with the host name ``name`` (one that resolves
+    to this machine: ``getent hosts NAME``). The controller can neither share its host name nor see
+    its processes by their IDs. Needs ``unshare`` and root (:func:`hiding_refused`)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(notices=True)
+        self.name = name
+
+    def _command(self) -> list[str]:
+        serve = " ".join(super()._command())
+        unshare = ["unshare", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc"]
+        return [*unshare, "bash", "-c", f"hostname {self.name} && exec {serve}"]
+
+
+def hiding_refused() -> Optional[str]:
+    """Why this machine cannot run a :class:`HiddenHost`, or ``None``."""
+    if shutil.which("unshare") is None:
+        return "no `unshare` here"
+    probe = subprocess.run(
+        ["unshare", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc", "hostname", "probe"],
+        capture_output=True,
+        text=True,
+    )
+    return f"`unshare` is refused: {probe.stderr.strip()}" if probe.returncode else None
+
+
+def _descendants(process: psutil.Process) -> list[psutil.Process]:
+    with suppress(psutil.NoSuchProcess):
+        return process.children(recursive=True)
+    return []
+
+
+def _is_worker(process: psutil.Process) -> bool:
+    with suppress(psutil.NoSuchProcess):
+        return is_worker_process(process)
+    return False
 
 
 def process_job_host(index: int) -> int:

@@ -60,7 +60,7 @@ def test_a_peer_seen_dead_after_its_survivors_error_is_named(peer: Callable[[flo
     with pytest.raises(MeshFailureError) as raised:
         deaths.raise_if_a_death_caused(_failure(RESET), _watch(dying), 2, _no_statuses)
     assert raised.value.ranks == (1,)
-    assert f"rank 1 (pid {dying.pid})" in str(raised.value)
+    assert f"rank 1 (pid {dying.pid} on {socket.gethostname()})" in str(raised.value)
 
 
 def test_a_workers_own_error_is_not_held_for_a_death(peer: Callable[[float], subprocess.Popen]) -> None:

@@ -138,7 +138,7 @@ class UnsyncedClassifier(FailingClassifier):
 
 def test_dead_worker_outside_a_collective_is_named_within_5_s() -> None:
     killer, recorder = KillWorkerInValidation(), RecordExceptions()
-    with pytest.raises(MeshFailureError, match=r"Worker rank 1 \(pid \d+\) died") as error:
+    with pytest.raises(MeshFailureError, match=r"Worker rank 1 \(pid \d+ on \S+\) died") as error:
         _trainer(callbacks=[killer, recorder]).fit(UnsyncedClassifier(-1, "none"))
     assert time.monotonic() - killer.killed_at < 5
     assert error.value.ranks == (1,)

@@ -53,7 +53,7 @@ def test_only_the_cells_that_show_a_worker_failure_have_errors(executed: nbforma
     worker_error = errors[0][1].evalue
     assert "Worker rank 1 on host" in worker_error and "ValueError in `module.training_step`" in worker_error
     assert "Remote traceback (rank 1)" in worker_error
-    assert re.match(r"Worker rank 1 \(pid \d+\) died", errors[1][1].evalue)
+    assert re.match(r"Worker rank 1 \(pid \d+ on \S+\) died", errors[1][1].evalue)
 
 
 def test_the_kernel_survives_and_reuses_the_warm_mesh(executed: nbformat.NotebookNode) -> None:

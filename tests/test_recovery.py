@@ -96,7 +96,7 @@ def test_killed_worker_is_replaced_and_the_run_ends_as_if_undisturbed(
 
 def test_killed_worker_without_restarts_is_named_within_5_s(tmp_path: Path) -> None:
     killer = KillRank(rank=1, step=5)
-    with pytest.raises(MeshFailureError, match=r"Worker rank 1 \(pid \d+\) died") as error:
+    with pytest.raises(MeshFailureError, match=r"Worker rank 1 \(pid \d+ on \S+\) died") as error:
         _fit(tmp_path, MonarchStrategy(), [killer])
     assert time.monotonic() - killer.killed_at < 5
     assert error.value.ranks == (1,)

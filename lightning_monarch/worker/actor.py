@@ -23,6 +23,7 @@ from lightning_monarch.codec import StorageKey, encode
 from lightning_monarch.protocol import Grant, RankStatus, Release
 from lightning_monarch.reports import CheckpointState, RankStats, RankValue, WorkerFailure, WorkerReport
 from lightning_monarch.specs import PreflightSpec, RankSnapshot, StageSpec, WorldSpec
+from lightning_monarch.worker import lifeline
 from lightning_monarch.worker.checkpoints import save_full, save_shards
 from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.loop import StageLoop
@@ -60,6 +61,12 @@ class MonarchWorker(Actor):
     def process_id(self) -> tuple[int, int, str]:
         """This worker's rank, process ID and host; answering at all shows the process is alive."""
         return self._rank, os.getpid(), socket.gethostname()
+
+    @endpoint
+    def hold_lifeline(self, host: str, port: int, group: str) -> None:
+        """Connect to the controller's lifeline listener as this rank of ``group``: from here this
+        process ends when the controller's does (``worker.lifeline``)."""
+        lifeline.hold(host, port, lifeline.token(group, self._rank))
 
     @endpoint
     def preflight(self, spec: PreflightSpec) -> Union[WorkerReport, WorkerFailure]:

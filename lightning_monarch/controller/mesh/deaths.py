@@ -48,16 +48,17 @@ def raise_if_a_death_caused(
     pending: Optional[Iterable[Any]] = None,
 ) -> None:
     """Raise ``MeshFailureError`` if a worker's death caused ``failure``: a peer's death shows
-    first as a survivor's collective error. On this host the process watch names the dead rank
-    at once; on other hosts Monarch's supervision does, seconds later, in one of ``pending``
-    (answers not taken yet). Without ``pending`` every rank is asked its status (``statuses()``),
-    which a live worker answers at once: a rank that does not answer within the grace is named as
-    dead too, since Monarch may report a lost host in another way, or later. With every worker on
-    this host, the watch is given :data:`_EXIT_GRACE_S` to see the dead peer."""
+    first as a survivor's collective error. The watch names the dead rank at once, by its
+    lifeline or, on this host, its process ID, once it sees the death: it is given
+    :data:`_EXIT_GRACE_S` to. A watch without lifelines leaves the workers on other hosts to
+    Monarch's supervision, which reports a death seconds later, in one of ``pending`` (answers not
+    taken yet). Without ``pending`` every rank is asked its status (``statuses()``), which a live
+    worker answers at once: a rank that does not answer within the grace is named as dead too,
+    since Monarch may report a lost host in another way, or later."""
     raise_if_dead(watch)
     if not _PEER_LOST.search(failure.message):
         return
-    if watch.watches_all:
+    if watch.sees_every_death:
         _raise_if_dead_within(watch, _EXIT_GRACE_S)
         return
     if pending is not None:
@@ -96,7 +97,7 @@ def raise_if_dead(watch: ProcessWatch) -> None:
     """Raise ``MeshFailureError`` naming the workers on this host whose process has died."""
     dead = tuple(watch.dead_ranks())
     if dead:
-        pids = ", ".join(f"rank {rank} (pid {watch.pids[rank]})" for rank in dead)
+        pids = ", ".join(f"rank {rank} (pid {watch.pids[rank]} on {watch.hosts[rank]})" for rank in dead)
         raise MeshFailureError(
             f"Worker {pids} died: killed, out of memory or crashed. The other workers were stopped.", dead
         )

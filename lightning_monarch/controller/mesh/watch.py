@@ -3,8 +3,9 @@
 Runs on the controller. Monarch's supervision reports a dead worker process within seconds in
 most cases, but through its proc-agent watchdog only after about 30 s; and a worker that dies
 inside a collective is first reported by its peers' gloo/NCCL error, which names the survivor.
-Workers on this host are therefore also watched by process ID: a dead one is seen within one
-poll of :data:`POLL_S`, and named.
+Every worker is therefore also watched by its lifeline (``controller.mesh.lifelines``), on any
+host, and those on this host by process ID too: a dead one is seen within one poll of
+:data:`POLL_S`, and named with its host.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import socket
 from typing import Optional
 
 import psutil
+
+from lightning_monarch.controller.mesh.lifelines import LIFELINES
 
 #: How often the controller checks on the workers while it waits for them.
 POLL_S = 0.25
@@ -27,12 +30,15 @@ class ProcessWatch:
     It never reaps the processes: their exit codes stay Monarch's.
     """
 
-    def __init__(self, processes: list[tuple[int, int, str]]) -> None:
-        """``processes``: ``(rank, pid, host)`` for every worker; those on other hosts are left to
+    def __init__(self, processes: list[tuple[int, int, str]], lifelines: Optional[str] = None) -> None:
+        """``processes``: ``(rank, pid, host)`` for every worker; ``lifelines``: the group of their
+        lifelines (``controller.mesh.lifelines``), without which those on other hosts are left to
         Monarch's supervision."""
         here = socket.gethostname()
         self.pids = {rank: pid for rank, pid, _ in processes}
+        self.hosts = {rank: host for rank, _, host in processes}
         self._processes = {rank: _process(pid) for rank, pid, host in processes if host == here}
+        self._lifelines = lifelines
 
     def kill(self) -> None:
         """Kill the watched processes that still live (``psutil`` checks a process ID was not
@@ -41,6 +47,11 @@ class ProcessWatch:
             if process is not None and _alive(process):
                 with contextlib.suppress(psutil.NoSuchProcess):
                     process.kill()
+
+    def forget(self) -> None:
+        """Stop watching the lifelines: the mesh is being stopped on purpose."""
+        if self._lifelines is not None:
+            LIFELINES.forget(self._lifelines)
 
     def watches(self, rank: int) -> bool:
         """Whether worker ``rank`` runs on this host."""
@@ -51,9 +62,17 @@ class ProcessWatch:
         """Whether every worker runs on this host, where its process is watched."""
         return len(self._processes) == len(self.pids)
 
+    @property
+    def sees_every_death(self) -> bool:
+        """Whether the death of any worker shows here within a poll: by its lifeline, or by its process ID."""
+        return self._lifelines is not None or self.watches_all
+
     def dead_ranks(self) -> list[int]:
-        """The ranks whose process on this host has died, in rank order."""
-        return sorted(rank for rank, process in self._processes.items() if not _alive(process))
+        """The ranks whose process has died (on this host) or whose lifeline ended, in rank order."""
+        dead = {rank for rank, process in self._processes.items() if not _alive(process)}
+        if self._lifelines is not None:
+            dead.update(LIFELINES.ended(self._lifelines))
+        return sorted(dead)
 
 
 def _process(pid: int) -> Optional[psutil.Process]:

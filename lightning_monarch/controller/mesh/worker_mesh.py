@@ -23,6 +23,7 @@ from lightning_monarch.codec import Shipment, StorageKey, decode
 from lightning_monarch.controller.mesh import deaths, storages
 from lightning_monarch.controller.mesh.forkserver import ProcessStart
 from lightning_monarch.controller.mesh.hosts import host_count, runs_here
+from lightning_monarch.controller.mesh.lifelines import LIFELINES
 from lightning_monarch.controller.mesh.output import WorkerOutput
 from lightning_monarch.controller.mesh.storages import KeptShards
 from lightning_monarch.controller.mesh.watch import POLL_S, ProcessWatch
@@ -37,9 +38,10 @@ log = logging.getLogger(__name__)
 #: How long stopping a mesh may take before the controller gives up waiting on it.
 _STOP_TIMEOUT_S = 30.0
 #: How long stopping a mesh waits when some of its processes are known dead (killed here by process
-#: ID, or on lost hosts): Monarch stops the live ones, but waits for the dead ones' answer until this
-#: passes (measured: 30 s of a 35 s recovery on a ``ProcessJob``'s hosts, with ``_STOP_TIMEOUT_S``).
-_STOP_DEAD_S = 5.0
+#: ID, seen dead by their lifelines, or on lost hosts): Monarch stops the live ones, but waits for the
+#: dead ones' answer until this passes (measured: 30 s of a 35 s recovery on a ``ProcessJob``'s
+#: hosts, with ``_STOP_TIMEOUT_S``), and the failure that stopped it reaches the user only after.
+_STOP_DEAD_S = 2.0
 #: How long an idle mesh may take to answer before the controller starts a new one instead.
 _PING_TIMEOUT_S = 5.0
 #: How long the controller waits for the warnings the ranks hold at the end of a stage: every rank
@@ -164,8 +166,10 @@ class WorkerMesh:
         self._workers = self._world.workers
         self._rank0 = self._world.rank0
         self.num_workers = self._world.num_workers
+        self._watch.forget()  # a world that changed: the workers' lifelines of the one before
         self._watch = ProcessWatch([])  # nothing to watch until the workers said who they are
-        self._watch = ProcessWatch(self._gather(self._workers.process_id.stream()))
+        processes = self._gather(self._workers.process_id.stream())
+        self._watch = ProcessWatch(processes, LIFELINES.held_by(self._workers, self._gather, self.num_workers))
         self.held, self.kept_shards = frozenset(), None  # new processes, or rank 0 may be another
         #: Each rank's process ID, in rank order.
         self.pids = [self._watch.pids[rank] for rank in range(self.num_workers)]
@@ -340,9 +344,10 @@ class WorkerMesh:
         world, self._world = self._world, None
         if world is None:
             return
+        dead = self._lost or bool(self._watch.dead_ranks()) or (kill and self._watch.watches_all)
+        self._watch.forget()
         if kill:
             self._watch.kill()
-        dead = self._lost or (kill and self._watch.watches_all)
         for procs in world.owned:
             try:
                 procs.stop().get(timeout=_STOP_DEAD_S if dead else _STOP_TIMEOUT_S)

@@ -1,0 +1,129 @@
+"""The controller's ends of its workers' lifelines: a worker's death seen on any host within a second.
+
+Runs on the controller, one listener for the process. Each worker process holds one TCP connection
+to it (``worker.lifeline``), opened when its mesh attaches it and named by a token: the mesh's
+group and the worker's rank (process IDs are not unique across hosts). The end of a connection, by
+end of file, a reset or the kernel's keepalive giving up on a host that vanished, means that
+worker is dead: its process ended (the kernel closes its sockets at once, wherever it runs) or its
+host is gone. ``controller.mesh.watch`` names such a rank among the dead; on this host the process
+watch sees a death too, by process ID.
+
+When the controller's process ends, the kernel closes every connection, and each worker ends its
+children and itself. A mesh that the controller stops on purpose first stops being watched
+(:meth:`Lifelines.forget`), and its connections close as its processes end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import selectors
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any, Optional
+
+from lightning_monarch.worker.lifeline import keep_alive, token
+
+#: How long a mesh waits for all its workers' lifelines to be accepted after they connected.
+_ACCEPT_S = 10.0
+
+
+class Lifelines:
+    """Runs on the controller, one for the process: the lifeline listener and its connections,
+    watched by a thread of its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._server: Optional[socket.socket] = None
+        self._selector = selectors.DefaultSelector()
+        #: Connections held, and the tokens whose connection ended while watched, by token.
+        self._held: dict[str, socket.socket] = {}
+        self._ended: set[str] = set()
+        self._forgotten: set[str] = set()
+
+    def address(self) -> tuple[str, int]:
+        """Where the workers connect: this host's name and the listener's port (started on first use)."""
+        with self._lock:
+            if self._server is None:
+                self._server = socket.create_server(("", 0))
+                self._selector.register(self._server, selectors.EVENT_READ)
+                threading.Thread(target=self._serve, name="lightning-monarch-lifelines", daemon=True).start()
+            return socket.gethostname(), self._server.getsockname()[1]
+
+    def held_by(self, workers: Any, gather: Callable[[Any], Any], ranks: int) -> str:
+        """Have each of the ``ranks`` workers (their actors, ``workers``) hold its lifeline, each
+        in a new group, and wait until all are held; returns the group. ``gather`` takes every
+        answer of a stream of the workers' answers."""
+        group = uuid.uuid4().hex
+        gather(workers.hold_lifeline.stream(*self.address(), group))
+        self._wait(group, ranks)
+        return group
+
+    def _wait(self, group: str, ranks: int) -> None:
+        """Wait until the lifelines of ranks 0 to ``ranks - 1`` of ``group`` are held (their workers
+        connected already); raise ``TimeoutError`` naming those that are not."""
+        tokens = [token(group, rank) for rank in range(ranks)]
+        with self._lock:
+            if not self._lock.wait_for(lambda: all(t in self._held or t in self._ended for t in tokens), _ACCEPT_S):
+                missing = [rank for rank, t in enumerate(tokens) if t not in self._held]
+                raise TimeoutError(f"The lifelines of worker ranks {missing} did not reach the controller.")
+
+    def ended(self, group: str) -> list[int]:
+        """The ranks of ``group`` whose lifeline ended while watched, in rank order."""
+        with self._lock:
+            return sorted(int(t.rsplit(":", 1)[1]) for t in self._ended if t.startswith(group + ":"))
+
+    def forget(self, group: str) -> None:
+        """Stop watching ``group``: its mesh is being stopped on purpose. Its connections close as
+        its processes end (the workers must not end themselves while Monarch stops them)."""
+        with self._lock:
+            self._forgotten.update(t for t in self._held if t.startswith(group + ":"))
+            self._ended = {t for t in self._ended if not t.startswith(group + ":")}
+
+    def _serve(self) -> None:
+        while True:
+            for key, _ in self._selector.select():
+                if key.fileobj is self._server:
+                    self._accept()
+                else:
+                    self._check(key.data)
+
+    def _accept(self) -> None:
+        assert self._server is not None
+        connection, _ = self._server.accept()
+        with contextlib.suppress(OSError, ValueError):
+            connection.settimeout(_ACCEPT_S)
+            name = connection.makefile("rb").readline().decode().strip()
+            connection.settimeout(None)
+            keep_alive(connection)
+            with self._lock:
+                self._held[name] = connection
+                self._selector.register(connection, selectors.EVENT_READ, name)
+                self._lock.notify_all()
+            return
+        connection.close()
+
+    def _check(self, name: str) -> None:
+        with self._lock:
+            connection = self._held.get(name)
+            if connection is None:
+                return
+            try:
+                alive = connection.recv(1, socket.MSG_PEEK) != b""
+            except OSError:
+                alive = False
+            if not alive:
+                if name in self._forgotten:
+                    self._forgotten.discard(name)
+                else:
+                    self._ended.add(name)
+                del self._held[name]
+                with contextlib.suppress(KeyError, ValueError):
+                    self._selector.unregister(connection)
+                connection.close()
+                self._lock.notify_all()
+
+
+#: The process's listener.
+LIFELINES = Lifelines()
