@@ -160,3 +160,20 @@ def test_no_worker_outlives_a_killed_controller(hidden_hosts: list[HiddenHost]) 
     model = Classifier()
     _trainer(hidden_hosts, max_epochs=1, limit_train_batches=2).fit(model)
     assert model.trainer.global_step == 2, "the served hosts train a second controller's fit"
+
+
+class SleepsOnRank1(Classifier):
+    """Rank 1 holds its second step 20 s, as a step in a debugger or a long one would."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1 and self.global_rank == 1:
+            time.sleep(20)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_worker_in_a_long_step_is_not_reported_dead(hidden_hosts: list[HiddenHost]) -> None:
+    """Liveness is the process's, not its progress: a lifeline stays up while its worker sleeps."""
+    started = time.monotonic()
+    trainer = _trainer(hidden_hosts, max_epochs=1, limit_train_batches=3)
+    trainer.fit(SleepsOnRank1())
+    assert trainer.global_step == 3 and time.monotonic() - started > 20

@@ -63,10 +63,15 @@ class MonarchWorker(Actor):
         return self._rank, os.getpid(), socket.gethostname()
 
     @endpoint
-    def hold_lifeline(self, host: str, port: int, group: str) -> None:
+    def hold_lifeline(self, host: str, port: int, group: str) -> tuple[int, Optional[str]]:
         """Connect to the controller's lifeline listener as this rank of ``group``: from here this
-        process ends when the controller's does (``worker.lifeline``)."""
-        lifeline.hold(host, port, lifeline.token(group, self._rank))
+        process ends when the controller's does (``worker.lifeline``). This rank, and why it could
+        not connect (``None`` where it did)."""
+        try:
+            lifeline.hold(host, port, lifeline.token(group, self._rank))
+        except OSError as error:
+            return self._rank, f"{type(error).__name__}: {error}"
+        return self._rank, None
 
     @endpoint
     def preflight(self, spec: PreflightSpec) -> Union[WorkerReport, WorkerFailure]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import threading
 
@@ -25,8 +26,6 @@ import psutil
 #: TCP keepalive on a lifeline: probes after this many idle seconds, one a second, and the peer is
 #: gone after this many unanswered ones; a host cut off without a word is seen within some 4 s.
 KEEPALIVE = (2, 1, 2)
-#: The exit code of a worker that ended because its controller did.
-ORPHANED = 70
 
 
 def token(group: str, rank: int) -> str:
@@ -62,4 +61,4 @@ def _watch(connection: socket.socket) -> None:
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
-    os._exit(ORPHANED)
+    os.kill(os.getpid(), signal.SIGKILL)  # at once: no exit handler may wait on the dead controller

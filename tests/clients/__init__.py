@@ -34,6 +34,21 @@ CLIENTS: dict[str, tuple[str, str, str]] = {
 }
 
 
+def quiet_trainer(strategy: str, out_dir: Path) -> dict[str, Any]:
+    """The Trainer arguments every client's run shares: ``strategy`` on 2 CPU devices, its files
+    under ``out_dir``, no logger, progress bar or model summary (the tier compares results, not
+    what is drawn)."""
+    return dict(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out_dir),
+    )
+
+
 def checkpoints(out_dir: Path) -> dict[str, Any]:
     """Every checkpoint file under ``out_dir``, by its path there, as the parity tests compare them,
     with the modules inside (a library's loss, metrics or output transform in its hyperparameters) as

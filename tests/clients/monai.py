@@ -31,7 +31,7 @@ from monai.networks.nets import UNet
 from monai.transforms import AsDiscrete, Compose, EnsureTyped
 
 import lightning_monarch  # noqa: F401 - registers strategy="monarch"
-from tests.clients import results
+from tests.clients import quiet_trainer, results
 
 SIZE = 24
 
@@ -117,16 +117,10 @@ def train(strategy: str, out_dir: Path) -> Optional[dict[str, Any]]:
     model = Net()
     checkpointing = ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), monitor="val_dice", mode="max")
     trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
+        **quiet_trainer(strategy, out_dir),
         max_epochs=3,
         log_every_n_steps=1,
         num_sanity_val_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(out_dir),
         callbacks=[checkpointing],
     )
     trainer.fit(

@@ -29,7 +29,7 @@ from pina.problem.zoo import Poisson2DSquareProblem
 from pina.solver import PhysicsInformedSingleModelSolver
 
 import lightning_monarch  # noqa: F401 - registers strategy="monarch"
-from tests.clients import results
+from tests.clients import quiet_trainer, results
 
 
 def _poisson() -> SpatialProblem:
@@ -56,17 +56,6 @@ def train(strategy: str, out_dir: Path) -> Optional[dict[str, Any]]:
     problem = _poisson()
     model = FeedForward(input_dimensions=2, output_dimensions=1, inner_size=10, n_layers=2)
     solver = PhysicsInformedSingleModelSolver(problem=problem, model=model)
-    trainer = Trainer(
-        solver=solver,
-        batch_size=8,
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_epochs=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(out_dir),
-    )
+    trainer = Trainer(solver=solver, batch_size=8, **quiet_trainer(strategy, out_dir), max_epochs=2)
     trainer.train()
     return results(trainer, solver, out_dir)

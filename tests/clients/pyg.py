@@ -23,7 +23,7 @@ from torch_geometric.nn import MLP, GCNConv, global_mean_pool
 from torchmetrics import Accuracy
 
 import lightning_monarch  # noqa: F401 - registers strategy="monarch"
-from tests.clients import results
+from tests.clients import quiet_trainer, results
 
 
 class GraphClassifier(pl.LightningModule):
@@ -74,16 +74,7 @@ def train(strategy: str, out_dir: Path) -> Optional[dict[str, Any]]:
     model = GraphClassifier(dataset.num_features, dataset.num_classes)
     checkpointing = ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), monitor="val_acc", mode="max")
     trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_epochs=3,
-        log_every_n_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(out_dir),
-        callbacks=[checkpointing],
+        **quiet_trainer(strategy, out_dir), max_epochs=3, log_every_n_steps=1, callbacks=[checkpointing]
     )
     trainer.fit(model, datamodule)
     fitted = results(trainer, model, out_dir)

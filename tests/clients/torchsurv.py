@@ -25,7 +25,7 @@ from torchsurv.loss.momentum import Momentum
 from torchsurv.metrics.cindex import ConcordanceIndex
 
 import lightning_monarch  # noqa: F401 - registers strategy="monarch"
-from tests.clients import results
+from tests.clients import quiet_trainer, results
 
 BATCH = 8
 
@@ -71,16 +71,7 @@ def train(strategy: str, out_dir: Path) -> Optional[dict[str, Any]]:
     model = LitSurvival()
     checkpointing = ModelCheckpoint(dirpath=str(out_dir / "checkpoints"), monitor="val_cindex", mode="max")
     trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_epochs=3,
-        log_every_n_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(out_dir),
-        callbacks=[checkpointing],
+        **quiet_trainer(strategy, out_dir), max_epochs=3, log_every_n_steps=2, callbacks=[checkpointing]
     )
     trainer.fit(
         model,

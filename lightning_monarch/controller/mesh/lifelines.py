@@ -23,6 +23,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Optional
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from lightning_monarch.worker.lifeline import keep_alive, token
 
 #: How long a mesh waits for all its workers' lifelines to be accepted after they connected.
@@ -56,17 +58,25 @@ class Lifelines:
         in a new group, and wait until all are held; returns the group. ``gather`` takes every
         answer of a stream of the workers' answers."""
         group = uuid.uuid4().hex
-        gather(workers.hold_lifeline.stream(*self.address(), group))
-        self._wait(group, ranks)
+        host, port = self.address()
+        refused = {rank: why for rank, why in gather(workers.hold_lifeline.stream(host, port, group)) if why}
+        if refused:
+            rank_zero_warn(
+                f"Worker ranks {sorted(refused)} could not connect to the controller at {host}:{port}"
+                f" ({next(iter(refused.values()))}): their deaths are reported by Monarch's supervision"
+                " alone, some 30 s late, and they may outlive this process. Let the workers' hosts resolve"
+                " this host's name and reach its ports."
+            )
+        self._wait(group, [rank for rank in range(ranks) if rank not in refused])
         return group
 
-    def _wait(self, group: str, ranks: int) -> None:
-        """Wait until the lifelines of ranks 0 to ``ranks - 1`` of ``group`` are held (their workers
-        connected already); raise ``TimeoutError`` naming those that are not."""
-        tokens = [token(group, rank) for rank in range(ranks)]
+    def _wait(self, group: str, ranks: list[int]) -> None:
+        """Wait until the lifelines of ``ranks`` of ``group`` are held (their workers connected
+        already); raise ``TimeoutError`` naming those that are not."""
+        tokens = [token(group, rank) for rank in ranks]
         with self._lock:
             if not self._lock.wait_for(lambda: all(t in self._held or t in self._ended for t in tokens), _ACCEPT_S):
-                missing = [rank for rank, t in enumerate(tokens) if t not in self._held]
+                missing = [rank for rank, t in zip(ranks, tokens, strict=True) if t not in self._held]
                 raise TimeoutError(f"The lifelines of worker ranks {missing} did not reach the controller.")
 
     def ended(self, group: str) -> list[int]:
