@@ -10,7 +10,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import psutil
 import pytest
@@ -21,7 +21,8 @@ from lightning_monarch.controller.mesh.forkserver import is_worker_process
 from lightning_monarch.controller.mesh.pool import MESHES, other_namespace_pool
 from lightning_monarch.devices import VISIBILITY_VARS
 from tests.references import run_reference
-from tests.served_hosts import ROOT  # noqa: F401 - the tests take it from here
+from tests.served_hosts import ROOT
+from tests.suite_time import SuiteTime
 
 #: Every process of this test run carries this marker in its environment, which Monarch's worker
 #: processes inherit: a worker left behind is found even after it was re-parented (its controller
@@ -55,6 +56,29 @@ SLOWEST_FIRST = (
     "test_fsdp.py",
     "test_fed_loaders.py",
 )
+
+
+#: The suite's time against its budget (``tests.suite_time``), kept by pytest's main process.
+_SUITE_TIME: Optional[SuiteTime] = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _SUITE_TIME
+    if not hasattr(config, "workerinput"):  # a pytest-xdist worker's reports reach the main process
+        _SUITE_TIME = SuiteTime(ROOT)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _SUITE_TIME is not None:
+        _SUITE_TIME.add(report)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The suite's time against the budget, and its slowest files."""
+    if _SUITE_TIME is not None:
+        terminalreporter.section("suite time")
+        for line in _SUITE_TIME.lines():
+            terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
