@@ -26,7 +26,8 @@ class SuiteTime:
 
     def __init__(self, root: Path) -> None:
         self.started = time.time()
-        self._venv = root / ".venv"
+        #: Written once, when ``python -m venv`` makes the environment (the folder itself changes later).
+        self._venv = root / ".venv" / "pyvenv.cfg"
         self._files: Counter[str] = Counter()
 
     def add(self, report: Any) -> None:
@@ -48,5 +49,5 @@ class SuiteTime:
         """Seconds from the making of ``.venv`` to pytest's start, where this run made it."""
         if not self._venv.exists():
             return None
-        setup = self.started - self._venv.stat().st_ctime
+        setup = self.started - self._venv.stat().st_mtime
         return setup if 0 < setup < _SETUP_AT_MOST_S else None
