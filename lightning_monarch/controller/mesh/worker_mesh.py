@@ -286,9 +286,8 @@ class WorkerMesh:
     def _took_status(self, future: Any, statuses: dict[int, RankStatus]) -> bool:
         """Take a status answer if it is there (raising the failure it reports); ``False`` if not yet.
         Rank 0's own failure is left to its fetch, which returns it at once with the entries before
-        it (its stage ended): there every rank is free to answer, and one that does not is named
-        dead (``_raise_if_a_death_caused``). Rank 0 answers a status between two of its fetches,
-        since a fetch whose batch does not end answers with its status (``worker.loop``)."""
+        it: there every rank is free to answer, and one that does not is named dead. Rank 0 answers
+        a status between two fetches: a fetch whose batch does not end answers with its status."""
         try:
             status = future.get(timeout=0.001)
         except TimeoutError:
@@ -296,8 +295,7 @@ class WorkerMesh:
         except SupervisionError as error:
             deaths.raise_death(error, self._watch)
         if status.failure is not None and status.rank != 0:
-            # rank 0's fetch is in flight, and rank 0 answers nothing else until it returns: its
-            # silence here says nothing of its process, so only Monarch's report names a death
+            # rank 0's fetch is in flight: its silence here says nothing of its process
             self._raise_if_a_death_caused(status.failure, self._workers.status.stream())
             raise WorkerError(status.failure)
         statuses[status.rank] = status
@@ -305,11 +303,12 @@ class WorkerMesh:
 
     def take_warnings(self) -> list[RankValue]:
         """The warnings every rank holds (``worker.held_warnings``), as many as answer within
-        :data:`_TAKE_WARNINGS_S`: after a failure a rank may be dead, or busy with a request that
-        never ends, and its warnings go with it."""
+        :data:`_TAKE_WARNINGS_S` (not waiting for ranks the watch knows dead): after a failure a
+        rank may be dead, or busy with a request that never ends, and its warnings go with it."""
         if self._world is None:
             return []
         deadline = time.monotonic() + _TAKE_WARNINGS_S
+        alive = self.num_workers - len(self._watch.dead_ranks())
         answers = []
         for future in self._workers.take_warnings.stream():  # the first answer to arrive, then the next
             try:
@@ -318,6 +317,8 @@ class WorkerMesh:
                 break
             except Exception:  # a dead rank's answer: Monarch's report of its death
                 continue
+            if len(answers) >= alive:
+                break
         return answers
 
     def grant(self, batches: int) -> None:
