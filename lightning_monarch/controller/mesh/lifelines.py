@@ -92,27 +92,38 @@ class Lifelines:
             self._ended = {t for t in self._ended if not t.startswith(group + ":")}
 
     def _serve(self) -> None:
+        """The thread's loop: new connections, their tokens as they arrive, and the ends of those held.
+        Nothing here waits on one connection, so a slow or silent one delays no death."""
         while True:
             for key, _ in self._selector.select():
                 if key.fileobj is self._server:
-                    self._accept()
+                    assert self._server is not None
+                    # a new connection's token arrives in its first bytes (``worker.lifeline.hold``)
+                    self._selector.register(self._server.accept()[0], selectors.EVENT_READ, bytearray())
+                elif isinstance(key.data, bytearray):
+                    self._take_token(key.fileobj, key.data)  # type: ignore[arg-type]
                 else:
                     self._check(key.data)
 
-    def _accept(self) -> None:
-        assert self._server is not None
-        connection, _ = self._server.accept()
-        with contextlib.suppress(OSError, ValueError):
-            connection.settimeout(_ACCEPT_S)
-            name = connection.makefile("rb").readline().decode().strip()
-            connection.settimeout(None)
-            keep_alive(connection)
-            with self._lock:
-                self._held[name] = connection
-                self._selector.register(connection, selectors.EVENT_READ, name)
-                self._lock.notify_all()
+    def _take_token(self, connection: socket.socket, received: bytearray) -> None:
+        """A new connection sent bytes: once its token's line is whole, hold it under that token."""
+        try:
+            chunk = connection.recv(256)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._selector.unregister(connection)
+            connection.close()
             return
-        connection.close()
+        received += chunk
+        if b"\n" not in received:
+            return
+        name = received.split(b"\n", 1)[0].decode().strip()
+        keep_alive(connection)
+        with self._lock:
+            self._held[name] = connection
+            self._selector.modify(connection, selectors.EVENT_READ, name)
+            self._lock.notify_all()
 
     def _check(self, name: str) -> None:
         with self._lock:
