@@ -11,6 +11,9 @@ A worker kills itself (SIGKILL) after writing the time; the controller's ``fit``
 - ``on_another_host``: both workers run on a Monarch host in a UTS namespace of its own, under
   another hostname, so that the controller cannot watch their processes and Monarch's supervision
   reports the death, as for a real remote host;
+- ``host_cut_off``: one worker on a host across a network (``tests.served_hosts.NetworkHost``) whose
+  link goes down in the middle of ``fit``, so that nothing it sends arrives and nothing is answered;
+  the delay is from the cut to the controller's ``MeshFailureError``;
 - ``killed_controller``: the controller is SIGKILLed in the middle of ``fit``; the delay is until
   its worker processes have ended.
 
@@ -39,6 +42,8 @@ from benchmarks import plots
 from lightning_monarch import MeshFailureError, MonarchStrategy, stop_meshes
 from lightning_monarch.controller.mesh.hosts import reachable
 from tests.models import Classifier
+from tests.served_hosts import NetworkHost
+from tests.test_hidden_hosts import report_of_a_cut
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: The name of the host that plays another machine: its own UTS and mount namespaces.
@@ -121,6 +126,8 @@ def remote_death_delay() -> float:
 KILLED_CONTROLLER = """
 import lightning as L, time, lightning_monarch
 from tests.models import Classifier
+from tests.served_hosts import NetworkHost
+from tests.test_hidden_hosts import report_of_a_cut
 class Announce(L.Callback):
     def on_train_batch_start(self, trainer, *args):
         print("workers", *trainer.strategy.worker_pids, flush=True)
@@ -128,6 +135,16 @@ class Announce(L.Callback):
 L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1000, logger=False, enable_progress_bar=False,
           enable_checkpointing=False, callbacks=[Announce()]).fit(Classifier())
 """
+
+
+def cut_off_delay() -> float:
+    """Seconds from a host's silent cut to ``MeshFailureError`` in its controller."""
+    host = NetworkHost(REMOTE)
+    try:
+        host.start()
+        return report_of_a_cut(host)[0]
+    finally:
+        host.stop()
 
 
 def killed_controller_delay() -> float:
@@ -154,6 +171,7 @@ CASES = {
     "outside_a_collective": lambda: death_delay("validation_step"),
     "inside_a_collective": lambda: death_delay("training_step"),
     "on_another_host": remote_death_delay,
+    "host_cut_off": cut_off_delay,
     "killed_controller": killed_controller_delay,
 }
 

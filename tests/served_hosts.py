@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -48,12 +49,16 @@ class ServedHost:
         """Serve, and wait until the address accepts a connection; raise after 30 s without one."""
         self.stop()
         self.process = subprocess.Popen(self._command(), cwd=ROOT, env=self._env, start_new_session=True)
+        self._connect(self.process.pid)
         deadline = time.monotonic() + 30
         while not reachable(self.address):
             if time.monotonic() > deadline or self.process.poll() is not None:
                 self.stop()
                 raise RuntimeError(f"The host at {self.address} did not serve within 30 s: {self._command()}")
             time.sleep(0.1)
+
+    def _connect(self, pid: int) -> None:
+        """Connect the just started host process ``pid`` to this machine: it shares its network."""
 
     def _command(self) -> list[str]:
         if self._notices:
@@ -98,6 +103,78 @@ class HiddenHost(ServedHost):
         serve = " ".join(super()._command())
         unshare = ["unshare", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc"]
         return [*unshare, "bash", "-c", f"hostname {self.name} && exec {serve}"]
+
+
+class NetworkHost(HiddenHost):
+    """A hidden host across a network, as another machine is: also in network and mount namespaces
+    of its own, joined to this one by a veth pair (this side ``10.A.B.1``, the host's ``10.A.B.2``,
+    from the port). Its ``/etc/hosts`` names itself and the controller by those addresses, as a
+    cluster's DNS would, and :meth:`controller` runs a controller whose host name resolves to this
+    side's address, since Monarch names a controller's actors by its host name. :meth:`cut` takes
+    the link down: the host vanishes without a word, no FIN and no RST (stopping its processes
+    would not do: the kernel would still answer). Needs ``ip`` too (:func:`network_refused`)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        port = int(self.address.rsplit(":", 1)[1])
+        subnet = f"10.{port // 256 % 256}.{port % 256}"
+        self.ours, self.theirs = f"{subnet}.1", f"{subnet}.2"
+        self.link = f"lm{port}"
+        self.address = f"tcp://{self.theirs}:{port}"
+        #: The ``/etc/hosts`` of the host and its controller (removed with this object).
+        self._directory = tempfile.TemporaryDirectory(prefix="network-host-")
+        self._names = Path(self._directory.name) / "hosts"
+        self._names.write_text(f"127.0.0.1 localhost\n{self.theirs} {name}\n{self.ours} {socket.gethostname()}\n")
+
+    def _command(self) -> list[str]:
+        serve = " ".join(ServedHost._command(self))
+        peer = f"{self.link}p"
+        setup = (
+            f"until ip link show {peer} >/dev/null 2>&1; do sleep 0.05; done"
+            f" && ip link set lo up && ip addr add {self.theirs}/30 dev {peer} && ip link set {peer} up"
+            f" && ip route add default via {self.ours} && mount --bind {self._names} /etc/hosts"
+            f" && hostname {self.name} && exec {serve}"
+        )
+        unshare = ["unshare", "--uts", "--pid", "--net", "--mount", "--fork", "--kill-child", "--mount-proc"]
+        return [*unshare, "bash", "-c", setup]
+
+    def _connect(self, pid: int) -> None:
+        """Make the link and hand its far end to the host's network namespace, where the host's
+        shell waits for it (``unshare`` itself, ``pid``, joined that namespace)."""
+        _ip("link", "add", self.link, "type", "veth", "peer", "name", f"{self.link}p")
+        _ip("link", "set", f"{self.link}p", "netns", str(pid))
+        _ip("addr", "add", f"{self.ours}/30", "dev", self.link)
+        _ip("link", "set", self.link, "up")
+
+    def controller(self, command: list[str]) -> list[str]:
+        """``command`` as a controller of this host runs it: with its host name resolving to this
+        side of the link, as a cluster node's resolves to its network address."""
+        bind = f"mount --bind {self._names} /etc/hosts"
+        return ["unshare", "--mount", "bash", "-c", f'{bind} && exec "$@"', "controller", *command]
+
+    def cut(self) -> None:
+        """Take the link down: from now on, nothing the host sends arrives, and nothing is answered."""
+        _ip("link", "set", self.link, "down")
+
+    def stop(self) -> None:
+        super().stop()
+        subprocess.run(["ip", "link", "del", self.link], capture_output=True)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def network_refused() -> Optional[str]:
+    """Why this machine cannot run a :class:`NetworkHost`, or ``None``."""
+    if hiding_refused() is not None:
+        return hiding_refused()
+    probe = subprocess.run(
+        ["unshare", "--net", "--mount", "bash", "-c", "ip link add lmprobe type veth peer name lmprobep"],
+        capture_output=True,
+        text=True,
+    )
+    return f"no network namespace with a veth pair here: {probe.stderr.strip()}" if probe.returncode else None
 
 
 def hiding_refused() -> Optional[str]:

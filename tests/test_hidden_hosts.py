@@ -9,8 +9,12 @@ The workers' lifelines (``worker.lifeline``, ``controller.mesh.lifelines``) carr
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -22,11 +26,12 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import lightning_monarch
 from lightning_monarch import MeshFailureError, MonarchStrategy
 from tests.models import Classifier
-from tests.served_hosts import ROOT, HiddenHost, hiding_refused
+from tests.served_hosts import ROOT, HiddenHost, NetworkHost, hiding_refused, network_refused
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -110,7 +115,7 @@ CONTROLLER = """
 import sys, time
 import lightning as L
 from torch.utils.data import DataLoader
-from lightning_monarch import MonarchStrategy
+from lightning_monarch import MeshFailureError, MonarchStrategy
 from tests.models import ClassificationData
 from tests.test_hidden_hosts import SlowClassifier
 
@@ -123,40 +128,51 @@ class Announce(L.Callback):
         if trainer.global_step == 3:
             print("TRAINING", flush=True)
 
-L.Trainer(
+trainer = L.Trainer(
     strategy=MonarchStrategy(hosts=sys.argv[1:]), accelerator="cpu", devices=1, num_nodes=len(sys.argv) - 1,
     max_epochs=1000, limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
     enable_model_summary=False, callbacks=[Announce()],
-).fit(Loaders())
+)
+try:
+    trainer.fit(Loaders())
+except MeshFailureError as error:
+    print("FAILED", error, flush=True)
 """
 
 
-def test_no_worker_outlives_a_killed_controller(hidden_hosts: list[HiddenHost]) -> None:
-    controller = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(CONTROLLER), *(host.address for host in hidden_hosts)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+@contextlib.contextmanager
+def training_controller(command: list[str]) -> Iterator[tuple[subprocess.Popen, Iterator[str]]]:
+    """Run :data:`CONTROLLER` with ``command`` (it and its arguments) until its fit trains; yield the
+    process and the rest of its output's lines. It is killed, by process group, on the way out."""
+    controller = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert controller.stdout is not None
-        for line in controller.stdout:
-            if line.startswith("TRAINING"):
-                break
+        lines = iter(controller.stdout)
+        assert any(line.startswith("TRAINING") for line in lines), "the fit did not start"
+        yield controller, lines
+    finally:
+        if controller.poll() is None:
+            os.killpg(controller.pid, signal.SIGKILL)
+        controller.wait()
+
+
+def left_after(hosts: list[HiddenHost], seconds: float) -> list[int]:
+    """The worker processes of ``hosts`` still there after up to ``seconds``, by process ID."""
+    deadline = time.monotonic() + seconds
+    while any(host.worker_processes() for host in hosts) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [process.pid for host in hosts for process in host.worker_processes()]
+
+
+def test_no_worker_outlives_a_killed_controller(hidden_hosts: list[HiddenHost]) -> None:
+    command = [sys.executable, "-c", textwrap.dedent(CONTROLLER), *(host.address for host in hidden_hosts)]
+    with training_controller(command) as (controller, _):
         workers = [process for host in hidden_hosts for process in host.worker_processes()]
         assert len(workers) >= 6, "each worker, its DataLoader worker and that worker's fork server"
         os.killpg(controller.pid, signal.SIGKILL)
         controller.wait()
-        deadline = time.monotonic() + 15
-        while any(host.worker_processes() for host in hidden_hosts) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = [process.pid for host in hidden_hosts for process in host.worker_processes()]
+        left = left_after(hidden_hosts, 15)
         assert not left, f"worker processes left 15 s after the controller's SIGKILL: {left}"
-    finally:
-        if controller.poll() is None:
-            os.killpg(controller.pid, signal.SIGKILL)
-            controller.wait()
     model = Classifier()
     _trainer(hidden_hosts, max_epochs=1, limit_train_batches=2).fit(model)
     assert model.trainer.global_step == 2, "the served hosts train a second controller's fit"
@@ -177,3 +193,83 @@ def test_a_worker_in_a_long_step_is_not_reported_dead(hidden_hosts: list[HiddenH
     trainer = _trainer(hidden_hosts, max_epochs=1, limit_train_batches=3)
     trainer.fit(SleepsOnRank1())
     assert trainer.global_step == 3 and time.monotonic() - started > 20
+
+
+@pytest.fixture
+def network_host() -> Iterator[NetworkHost]:
+    refused = network_refused()
+    if refused is not None:
+        pytest.skip(f"a host across a network needs network namespaces: {refused}")
+    host = NetworkHost(NAMES[1])
+    try:
+        host.start()
+        yield host
+    finally:
+        host.stop()
+
+
+def report_of_a_cut(host: NetworkHost) -> tuple[float, str, list[int]]:
+    """Cut ``host`` off while a controller trains on it (:data:`CONTROLLER`): the seconds from the
+    cut to the controller's ``MeshFailureError``, its message, and the host's worker processes left
+    15 s after it. The controller must then end with exit code 0."""
+    with training_controller(host.controller([sys.executable, "-c", textwrap.dedent(CONTROLLER), host.address])) as (
+        controller,
+        lines,
+    ):
+        assert len(host.worker_processes()) >= 2, "the worker and its DataLoader worker"
+        host.cut()
+        cut = time.monotonic()
+        failed = next((line for line in lines if line.startswith("FAILED")), "")
+        reported = time.monotonic() - cut
+        left = left_after([host], 15)
+        assert controller.wait(timeout=30) == 0
+    return reported, failed, left
+
+
+def test_a_host_cut_off_silently_is_reported_within_10_s(network_host: NetworkHost) -> None:
+    """No FIN and no RST: the lifelines' keepalive on both ends sees the host gone. The controller
+    reports it, and the host's workers (and their DataLoader workers) end themselves."""
+    reported, failed, left = report_of_a_cut(network_host)
+    assert re.search(rf"rank 0 \(pid \d+ on {NAMES[1]}\) stopped answering: host {NAMES[1]} is unreachable", failed)
+    assert reported < 10, f"reported {reported:.1f} s after the cut"
+    assert not left, f"the cut host's workers outlived their lifeline: {left}"
+
+
+LATE_TRANSPORT = """
+import sys
+import lightning as L
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from monarch.actor import this_host
+from lightning_monarch import MonarchStrategy
+
+this_host()  # Monarch starts here on its local transport
+try:
+    L.Trainer(strategy=MonarchStrategy(hosts=sys.argv[1:]), accelerator="cpu", devices=1)
+except MisconfigurationException as error:
+    print("REFUSED", error, flush=True)
+"""
+
+
+def test_hosts_on_other_machines_need_tcp_from_monarchs_first_call(network_host: NetworkHost) -> None:
+    """Workers across a network answer the controller over TCP, which Monarch takes only before
+    its first call in a process: after it, the strategy refuses at once, naming the fix."""
+    late = subprocess.run(
+        network_host.controller([sys.executable, "-c", textwrap.dedent(LATE_TRANSPORT), network_host.address]),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "REFUSED" in late.stdout, late.stderr[-2000:]
+    assert "a process keeps its first transport" in late.stdout
+    assert "monarch.actor.enable_transport('tcp')" in late.stdout
+
+
+def test_a_host_name_that_only_loopback_answers_is_refused_for_other_machines() -> None:
+    """Monarch names the controller's actors by its host name: one that resolves only to loopback
+    cannot be reached from another machine, and is refused before anything starts."""
+    name = socket.gethostname()
+    if not all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(name, None)):
+        pytest.skip(f"this machine's host name {name} resolves to a network address")
+    with pytest.raises(MisconfigurationException, match=rf"{name}' resolves only to loopback addresses"):
+        L.Trainer(strategy=MonarchStrategy(hosts=["tcp://10.255.0.2:26600"]), accelerator="cpu", devices=1)

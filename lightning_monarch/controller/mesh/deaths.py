@@ -94,13 +94,27 @@ def died(error: Exception) -> MeshFailureError:
 
 
 def raise_if_dead(watch: ProcessWatch) -> None:
-    """Raise ``MeshFailureError`` naming the workers on this host whose process has died."""
+    """Raise ``MeshFailureError`` naming the workers whose process has died (by its lifeline, or
+    by its process ID on this host) or whose host stopped answering."""
     dead = tuple(watch.dead_ranks())
-    if dead:
-        pids = ", ".join(f"rank {rank} (pid {watch.pids[rank]} on {watch.hosts[rank]})" for rank in dead)
-        raise MeshFailureError(
-            f"Worker {pids} died: killed, out of memory or crashed. The other workers were stopped.", dead
+    if not dead:
+        return
+    unreachable = watch.unreachable_ranks()
+    died = [rank for rank in dead if rank not in unreachable]
+    said = []
+    if died:
+        said.append(f"Worker {_named(watch, died)} died: killed, out of memory or crashed.")
+    if unreachable:
+        hosts = ", ".join(sorted({watch.hosts[rank] for rank in unreachable}))
+        said.append(
+            f"Worker {_named(watch, unreachable)} stopped answering: host {hosts} is unreachable (a network cut,"
+            " or the host went down)."
         )
+    raise MeshFailureError(f"{' '.join(said)} The other workers were stopped.", dead)
+
+
+def _named(watch: ProcessWatch, ranks: list[int]) -> str:
+    return ", ".join(f"rank {rank} (pid {watch.pids[rank]} on {watch.hosts[rank]})" for rank in ranks)
 
 
 def _raise_if_dead_within(watch: ProcessWatch, seconds: float) -> None:

@@ -15,6 +15,7 @@ controller waits for every host to connect and names the addresses that did not.
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import math
 import re
 import shutil
@@ -24,8 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from monarch.actor import HostMesh, attach_to_workers
+from monarch.actor import HostMesh, attach_to_workers, enable_transport
 from monarch.job import ProcessJob, SlurmJob
 
 from lightning_monarch._compat import monarch as monarch_compat
@@ -54,6 +56,8 @@ def host_mesh(hosts: Any, num_nodes: int, gpus_per_host: int, connect_timeout: f
         mesh = hosts
     elif is_address_list(hosts):
         addresses = list(hosts)
+        if not all(_on_this_machine(address) for address in addresses):
+            reached_over_tcp(addresses)
         mesh = attach_to_workers(name=HOSTS_MESH, ca="trust_all_connections", workers=addresses)
     elif callable(getattr(hosts, "state", None)):
         check_job(hosts, num_nodes, gpus_per_host)
@@ -207,19 +211,82 @@ def wait_for_hosts(mesh: HostMesh, addresses: list[str], timeout: float) -> None
     )
 
 
-def reachable(address: str, timeout: float = 2.0) -> bool:
-    """Whether a worker address accepts a connection: a TCP connect for ``tcp://host:port``, the
-    socket file for ``ipc://path``. Of Monarch's forms (``tcp://h:p``, ``<proc-id>@tcp://h:p``,
-    ``dial_to@bind_to``), the first URL is where the controller dials."""
+def reached_over_tcp(addresses: list[str]) -> None:
+    """Let hosts on other machines reach this controller: Monarch's TCP transport, on which the
+    controller's own actors are named by this machine's host name.
+
+    Monarch starts a process's actors on its local transport (abstract Unix sockets, which only
+    this machine's network namespace reaches) unless TCP is chosen before its first call, and a
+    process keeps its first transport. Workers at ``addresses`` could then not answer: the attach
+    would time out after minutes. Raise with the fix instead, before anything starts.
+    """
+    name = socket.gethostname()
+    if all(_loopback(address) for address in _resolved(name)):
+        raise MisconfigurationException(
+            f"`MonarchStrategy(hosts=[{addresses[0]!r}, ...])`: hosts on other machines reach this controller by"
+            f" its host name, but {name!r} resolves only to loopback addresses here ({', '.join(_resolved(name))}),"
+            " which they cannot reach. Map the name to this machine's network address (in /etc/hosts or DNS)."
+        )
+    try:
+        enable_transport("tcp")
+    except RuntimeError as error:
+        raise MisconfigurationException(
+            f"`MonarchStrategy(hosts=[{addresses[0]!r}, ...])`: hosts on other machines reach this controller over"
+            " TCP, but Monarch already runs in this process on its local transport (a fit on this machine, or"
+            " another Monarch call, came first), and a process keeps its first transport. Train on those hosts"
+            " in a new process (in a notebook, restart the kernel), or call"
+            " `monarch.actor.enable_transport('tcp')` before anything else uses Monarch."
+        ) from error
+
+
+def _on_this_machine(address: str) -> bool:
+    """Whether a worker address is one of this machine's own (loopback, an interface's address, or
+    an ``ipc://`` path): hosts in this network namespace, which reach the controller on Monarch's
+    local transport."""
+    location = _location(address)
+    if location is None or location[0] == "ipc":
+        return location is not None
+    own = {entry.address.split("%")[0] for entries in psutil.net_if_addrs().values() for entry in entries}
+    resolved = _resolved(location[1])
+    return bool(resolved) and all(_loopback(host) or host in own for host in resolved)
+
+
+def _resolved(host: str) -> list[str]:
+    try:
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None)})
+    except OSError:
+        return []
+
+
+def _loopback(host: str) -> bool:
+    return ipaddress.ip_address(host.split("%")[0]).is_loopback
+
+
+def _location(address: str) -> Optional[tuple[str, str, str]]:
+    """The scheme, host and port of a worker address (the path as host for ``ipc://path``). Of
+    Monarch's forms (``tcp://h:p``, ``<proc-id>@tcp://h:p``, ``dial_to@bind_to``), the first URL
+    is where the controller dials."""
     match = re.search(r"([a-z]+)://([^@\s]+)", address)
     if match is None:
-        return False
+        return None
     scheme, location = match.groups()
     if scheme == "ipc":
-        return Path(location).exists()
+        return scheme, location, ""
     host, _, port = location.rpartition(":")
+    return scheme, host.strip("[]"), port
+
+
+def reachable(address: str, timeout: float = 2.0) -> bool:
+    """Whether a worker address accepts a connection: a TCP connect for ``tcp://host:port``, the
+    socket file for ``ipc://path``."""
+    location = _location(address)
+    if location is None:
+        return False
+    scheme, host, port = location
+    if scheme == "ipc":
+        return Path(host).exists()
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+        with socket.create_connection((host, int(port)), timeout=timeout):
             return True
     except (OSError, ValueError):
         return False

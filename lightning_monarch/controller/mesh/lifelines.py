@@ -39,9 +39,10 @@ class Lifelines:
         self._lock = threading.Condition()
         self._server: Optional[socket.socket] = None
         self._selector = selectors.DefaultSelector()
-        #: Connections held, and the tokens whose connection ended while watched, by token.
+        #: Connections held by token, and the tokens whose connection ended while watched, each
+        #: with whether it ended silently (the keepalive gave up: the host stopped answering).
         self._held: dict[str, socket.socket] = {}
-        self._ended: set[str] = set()
+        self._ended: dict[str, bool] = {}
         self._forgotten: set[str] = set()
 
     def address(self) -> tuple[str, int]:
@@ -79,17 +80,22 @@ class Lifelines:
                 missing = [rank for rank, t in zip(ranks, tokens, strict=True) if t not in self._held]
                 raise TimeoutError(f"The lifelines of worker ranks {missing} did not reach the controller.")
 
-    def ended(self, group: str) -> list[int]:
-        """The ranks of ``group`` whose lifeline ended while watched, in rank order."""
+    def ended(self, group: str, silently: bool = False) -> list[int]:
+        """The ranks of ``group`` whose lifeline ended while watched (``silently``: only those whose
+        host stopped answering, not those whose process ended), in rank order."""
         with self._lock:
-            return sorted(int(t.rsplit(":", 1)[1]) for t in self._ended if t.startswith(group + ":"))
+            return sorted(
+                int(t.rsplit(":", 1)[1])
+                for t, silent in self._ended.items()
+                if t.startswith(group + ":") and (silent or not silently)
+            )
 
     def forget(self, group: str) -> None:
         """Stop watching ``group``: its mesh is being stopped on purpose. Its connections close as
         its processes end (the workers must not end themselves while Monarch stops them)."""
         with self._lock:
             self._forgotten.update(t for t in self._held if t.startswith(group + ":"))
-            self._ended = {t for t in self._ended if not t.startswith(group + ":")}
+            self._ended = {t: silent for t, silent in self._ended.items() if not t.startswith(group + ":")}
 
     def _serve(self) -> None:
         """The thread's loop: new connections, their tokens as they arrive, and the ends of those held.
@@ -130,15 +136,18 @@ class Lifelines:
             connection = self._held.get(name)
             if connection is None:
                 return
+            silent = False
             try:
                 alive = connection.recv(1, socket.MSG_PEEK) != b""
+            except TimeoutError:  # the keepalive's probes went unanswered
+                alive, silent = False, True
             except OSError:
                 alive = False
             if not alive:
                 if name in self._forgotten:
                     self._forgotten.discard(name)
                 else:
-                    self._ended.add(name)
+                    self._ended[name] = silent
                 del self._held[name]
                 with contextlib.suppress(KeyError, ValueError):
                     self._selector.unregister(connection)

@@ -74,6 +74,11 @@ class ProcessWatch:
             dead.update(LIFELINES.ended(self._lifelines))
         return sorted(dead)
 
+    def unreachable_ranks(self) -> list[int]:
+        """The ranks among the dead whose host stopped answering (their lifeline's keepalive gave
+        up), rather than their process ending, in rank order."""
+        return LIFELINES.ended(self._lifelines, silently=True) if self._lifelines is not None else []
+
 
 def _process(pid: int) -> Optional[psutil.Process]:
     try:

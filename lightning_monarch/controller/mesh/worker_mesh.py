@@ -309,16 +309,16 @@ class WorkerMesh:
             return []
         deadline = time.monotonic() + _TAKE_WARNINGS_S
         alive = self.num_workers - len(self._watch.dead_ranks())
-        answers = []
+        answers: list[RankValue] = []
         for future in self._workers.take_warnings.stream():  # the first answer to arrive, then the next
+            if len(answers) >= alive:
+                break
             try:
                 answers.append(future.get(timeout=max(0.0, deadline - time.monotonic())))
             except TimeoutError:
                 break
             except Exception:  # a dead rank's answer: Monarch's report of its death
                 continue
-            if len(answers) >= alive:
-                break
         return answers
 
     def grant(self, batches: int) -> None:
