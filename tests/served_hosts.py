@@ -95,8 +95,8 @@ class HiddenHost(ServedHost):
     to this machine: ``getent hosts NAME``). The controller can neither share its host name nor see
     its processes by their IDs. Needs ``unshare`` and root (:func:`hiding_refused`)."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__(notices=True)
+    def __init__(self, name: str, env: Optional[dict[str, str]] = None) -> None:
+        super().__init__(env=env, notices=True)
         self.name = name
 
     def _command(self) -> list[str]:

@@ -21,7 +21,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import pytest
@@ -141,10 +141,13 @@ except MeshFailureError as error:
 
 
 @contextlib.contextmanager
-def training_controller(command: list[str]) -> Iterator[tuple[subprocess.Popen, Iterator[str]]]:
-    """Run :data:`CONTROLLER` with ``command`` (it and its arguments) until its fit trains; yield the
-    process and the rest of its output's lines. It is killed, by process group, on the way out."""
-    controller = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+def training_controller(
+    command: list[str], env: Optional[dict[str, str]] = None
+) -> Iterator[tuple[subprocess.Popen, Iterator[str]]]:
+    """Run a controller's ``command`` (:data:`CONTROLLER`'s, or one that prints ``TRAINING`` as it
+    does) until its fit trains; yield the process and the rest of its output's lines. It is killed,
+    by process group, on the way out."""
+    controller = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert controller.stdout is not None
         lines = iter(controller.stdout)
