@@ -108,9 +108,9 @@ class HiddenHost(ServedHost):
 class NetworkHost(HiddenHost):
     """A hidden host across a network, as another machine is: also in network and mount namespaces
     of its own, joined to this one by a veth pair (this side ``10.A.B.1``, the host's ``10.A.B.2``,
-    from the port). Its ``/etc/hosts`` names itself and the controller by those addresses, as a
-    cluster's DNS would, and :meth:`controller` runs a controller whose host name resolves to this
-    side's address, since Monarch names a controller's actors by its host name. :meth:`cut` takes
+    from the port). Its ``/etc/hosts`` names itself, and :meth:`controller` runs a controller whose
+    host name resolves to this side's address, as a cluster node's resolves to its network address
+    (Monarch names a controller's actors by the address its host name resolves to). :meth:`cut` takes
     the link down: the host vanishes without a word, no FIN and no RST (stopping its processes
     would not do: the kernel would still answer). Needs ``ip`` too (:func:`network_refused`)."""
 
@@ -121,10 +121,15 @@ class NetworkHost(HiddenHost):
         self.ours, self.theirs = f"{subnet}.1", f"{subnet}.2"
         self.link = f"lm{port}"
         self.address = f"tcp://{self.theirs}:{port}"
-        #: The ``/etc/hosts`` of the host and its controller (removed with this object).
+        #: The ``/etc/hosts`` of the host, which does not name the controller (a cluster's DNS may
+        #: not know a login node), and of its controller (removed with this object).
         self._directory = tempfile.TemporaryDirectory(prefix="network-host-")
-        self._names = Path(self._directory.name) / "hosts"
-        self._names.write_text(f"127.0.0.1 localhost\n{self.theirs} {name}\n{self.ours} {socket.gethostname()}\n")
+        self._names = Path(self._directory.name) / "host"
+        self._names.write_text(f"127.0.0.1 localhost\n{self.theirs} {name}\n")
+        self._controller_names = Path(self._directory.name) / "controller"
+        self._controller_names.write_text(
+            f"127.0.0.1 localhost\n{self.theirs} {name}\n{self.ours} {socket.gethostname()}\n"
+        )
 
     def _command(self) -> list[str]:
         serve = " ".join(ServedHost._command(self))
@@ -149,7 +154,7 @@ class NetworkHost(HiddenHost):
     def controller(self, command: list[str]) -> list[str]:
         """``command`` as a controller of this host runs it: with its host name resolving to this
         side of the link, as a cluster node's resolves to its network address."""
-        bind = f"mount --bind {self._names} /etc/hosts"
+        bind = f"mount --bind {self._controller_names} /etc/hosts"
         return ["unshare", "--mount", "bash", "-c", f'{bind} && exec "$@"', "controller", *command]
 
     def cut(self) -> None:

@@ -16,6 +16,7 @@ children and itself. A mesh that the controller stops on purpose first stops bei
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import selectors
 import socket
 import threading
@@ -46,13 +47,14 @@ class Lifelines:
         self._forgotten: set[str] = set()
 
     def address(self) -> tuple[str, int]:
-        """Where the workers connect: this host's name and the listener's port (started on first use)."""
+        """Where the workers connect: this host's address (:func:`reached_at`) and the listener's
+        port (started on first use)."""
         with self._lock:
             if self._server is None:
                 self._server = socket.create_server(("", 0))
                 self._selector.register(self._server, selectors.EVENT_READ)
                 threading.Thread(target=self._serve, name="lightning-monarch-lifelines", daemon=True).start()
-            return socket.gethostname(), self._server.getsockname()[1]
+            return reached_at(), self._server.getsockname()[1]
 
     def held_by(self, workers: Any, gather: Callable[[Any], Any], ranks: int) -> str:
         """Have each of the ``ranks`` workers (their actors, ``workers``) hold its lifeline, each
@@ -65,8 +67,8 @@ class Lifelines:
             rank_zero_warn(
                 f"Worker ranks {sorted(refused)} could not connect to the controller at {host}:{port}"
                 f" ({next(iter(refused.values()))}): their deaths are reported by Monarch's supervision"
-                " alone, some 30 s late, and they may outlive this process. Let the workers' hosts resolve"
-                " this host's name and reach its ports."
+                " alone, some 30 s late, and they may outlive this process. Let the workers' hosts reach"
+                " this host's ports."
             )
         self._wait(group, [rank for rank in range(ranks) if rank not in refused])
         return group
@@ -153,6 +155,21 @@ class Lifelines:
                     self._selector.unregister(connection)
                 connection.close()
                 self._lock.notify_all()
+
+
+def reached_at() -> str:
+    """This host as workers on other machines reach it: the first IPv4 address its name resolves
+    to that is neither loopback nor link-local, the one Monarch's TCP transport names the
+    controller by, so that a lifeline connects wherever Monarch does (a worker's host may not
+    resolve the controller's name: a login node's, for one). The name itself where it resolves
+    to no such address: every worker is on this machine then."""
+    name = socket.gethostname()
+    with contextlib.suppress(OSError):
+        for *_, where in socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM):
+            address = ipaddress.ip_address(where[0])
+            if not (address.is_loopback or address.is_link_local):
+                return str(address)
+    return name
 
 
 #: The process's listener.
