@@ -42,9 +42,7 @@ pytestmark = [
 NAMES = ("localhost", "runsc")
 
 
-@pytest.fixture
-def hidden_hosts() -> Iterator[list[HiddenHost]]:
-    hosts = [HiddenHost(name) for name in NAMES]
+def _served(hosts: list[HiddenHost]) -> Iterator[list[HiddenHost]]:
     try:
         for host in hosts:
             host.start()
@@ -53,6 +51,27 @@ def hidden_hosts() -> Iterator[list[HiddenHost]]:
         lightning_monarch.stop_meshes()
         for host in hosts:
             host.stop()
+
+
+@pytest.fixture
+def hidden_hosts() -> Iterator[list[HiddenHost]]:
+    """Hidden hosts of this test's own: a worker killed on one stays its host's (unreaped) child."""
+    yield from _served([HiddenHost(name) for name in NAMES])
+
+
+@pytest.fixture(scope="module")
+def served_hidden_hosts() -> Iterator[list[HiddenHost]]:
+    """Hidden hosts for the tests whose workers all end cleanly: a host serves the next test."""
+    yield from _served([HiddenHost(name) for name in NAMES])
+
+
+@pytest.fixture
+def shared_hidden_hosts(served_hidden_hosts: list[HiddenHost]) -> Iterator[list[HiddenHost]]:
+    """The served hidden hosts, with no worker of this test's left on them after it."""
+    try:
+        yield served_hidden_hosts
+    finally:
+        lightning_monarch.stop_meshes()
 
 
 class SlowClassifier(Classifier):
@@ -167,7 +186,8 @@ def left_after(hosts: list[HiddenHost], seconds: float) -> list[int]:
     return [process.pid for host in hosts for process in host.worker_processes()]
 
 
-def test_no_worker_outlives_a_killed_controller(hidden_hosts: list[HiddenHost]) -> None:
+def test_no_worker_outlives_a_killed_controller(shared_hidden_hosts: list[HiddenHost]) -> None:
+    hidden_hosts = shared_hidden_hosts
     command = [sys.executable, "-c", textwrap.dedent(CONTROLLER), *(host.address for host in hidden_hosts)]
     with training_controller(command) as (controller, _):
         workers = [process for host in hidden_hosts for process in host.worker_processes()]
@@ -190,20 +210,25 @@ class SleepsOnRank1(Classifier):
         return super().training_step(batch, batch_idx)
 
 
-def test_a_worker_in_a_long_step_is_not_reported_dead(hidden_hosts: list[HiddenHost]) -> None:
+def test_a_worker_in_a_long_step_is_not_reported_dead(shared_hidden_hosts: list[HiddenHost]) -> None:
     """Liveness is the process's, not its progress: a lifeline stays up while its worker sleeps."""
     started = time.monotonic()
-    trainer = _trainer(hidden_hosts, max_epochs=1, limit_train_batches=3)
+    trainer = _trainer(shared_hidden_hosts, max_epochs=1, limit_train_batches=3)
     trainer.fit(SleepsOnRank1())
     assert trainer.global_step == 3 and time.monotonic() - started > 20
 
 
-@pytest.fixture
-def network_host() -> Iterator[NetworkHost]:
+def _network_host() -> NetworkHost:
+    """A host across a network, not started; the test is skipped where there can be none."""
     refused = network_refused()
     if refused is not None:
         pytest.skip(f"a host across a network needs network namespaces: {refused}")
-    host = NetworkHost(NAMES[1])
+    return NetworkHost(NAMES[1])
+
+
+@pytest.fixture
+def network_host() -> Iterator[NetworkHost]:
+    host = _network_host()
     try:
         host.start()
         yield host
@@ -253,9 +278,11 @@ except MisconfigurationException as error:
 """
 
 
-def test_hosts_on_other_machines_need_tcp_from_monarchs_first_call(network_host: NetworkHost) -> None:
+def test_hosts_on_other_machines_need_tcp_from_monarchs_first_call() -> None:
     """Workers across a network answer the controller over TCP, which Monarch takes only before
-    its first call in a process: after it, the strategy refuses at once, naming the fix."""
+    its first call in a process: after it, the strategy refuses at once, naming the fix, before it
+    reaches a host (none serves here)."""
+    network_host = _network_host()
     late = subprocess.run(
         network_host.controller([sys.executable, "-c", textwrap.dedent(LATE_TRANSPORT), network_host.address]),
         cwd=ROOT,
