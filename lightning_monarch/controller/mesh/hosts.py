@@ -251,9 +251,20 @@ def _on_this_machine(address: str) -> bool:
     return bool(resolved) and all(_loopback(host) or host in own for host in resolved)
 
 
-def _resolved(host: str) -> list[str]:
+def network_address(family: int = socket.AF_INET) -> Optional[str]:
+    """The first address of ``family`` that this machine's host name resolves to and that other
+    machines can reach (neither loopback nor link-local): the one Monarch's TCP transport names
+    the controller by. ``None`` where there is none."""
+    for address in _resolved(socket.gethostname(), family):
+        if not (_loopback(address) or ipaddress.ip_address(address).is_link_local):
+            return address
+    return None
+
+
+def _resolved(host: str, family: int = socket.AF_UNSPEC) -> list[str]:
+    """The addresses ``host`` resolves to, in the resolver's order, each once."""
     try:
-        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None)})
+        return list(dict.fromkeys(str(info[4][0]) for info in socket.getaddrinfo(host, None, family)))
     except OSError:
         return []
 

@@ -16,7 +16,6 @@ children and itself. A mesh that the controller stops on purpose first stops bei
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import selectors
 import socket
 import threading
@@ -26,6 +25,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_monarch.controller.mesh.hosts import network_address
 from lightning_monarch.worker.lifeline import keep_alive, token
 
 #: How long a mesh waits for all its workers' lifelines to be accepted after they connected.
@@ -158,18 +158,12 @@ class Lifelines:
 
 
 def reached_at() -> str:
-    """This host as workers on other machines reach it: the first IPv4 address its name resolves
-    to that is neither loopback nor link-local, the one Monarch's TCP transport names the
-    controller by, so that a lifeline connects wherever Monarch does (a worker's host may not
-    resolve the controller's name: a login node's, for one). The name itself where it resolves
-    to no such address: every worker is on this machine then."""
-    name = socket.gethostname()
-    with contextlib.suppress(OSError):
-        for *_, where in socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM):
-            address = ipaddress.ip_address(where[0])
-            if not (address.is_loopback or address.is_link_local):
-                return str(address)
-    return name
+    """This host as workers on other machines reach it: its IPv4 network address
+    (``hosts.network_address``), the one Monarch's TCP transport names the controller by, so that
+    a lifeline connects wherever Monarch does (a worker's host may not resolve the controller's
+    name: a login node's, for one). The name itself where it has none: every worker is on this
+    machine then."""
+    return network_address() or socket.gethostname()
 
 
 #: The process's listener.
