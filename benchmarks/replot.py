@@ -16,6 +16,7 @@ from benchmarks import (
     controller_cpu,
     death_report,
     elastic,
+    exits,
     fed,
     monarch_knobs,
     plots,
@@ -43,6 +44,7 @@ WRITERS: dict[str, ModuleType] = {
     "rehearsal": rehearsal,
     "fed": fed,
     "suite": suite,
+    "exits": exits,
 }
 
 

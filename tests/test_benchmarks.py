@@ -28,9 +28,10 @@ COMMITTED = (
     "rehearsal",
     "fed",
     "suite",
+    "exits",
 )
-#: Those with a ``ddp`` (or Lightning) reference to draw beside monarch.
-WITH_REFERENCE = ("latest", "stages", "sharded", "recovery", "elastic", "fed")
+#: Those with a reference to draw beside monarch: ``ddp``, Lightning's own, or (``exits``) no guard.
+WITH_REFERENCE = ("latest", "stages", "sharded", "recovery", "elastic", "fed", "exits")
 #: Words of the value axis's label that name its unit.
 UNITS = ("ms", "seconds", "MiB", "relative to ddp")
 

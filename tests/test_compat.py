@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import operator
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,8 @@ def test_every_private_monarch_name_exists() -> None:
     try:
         objects = {"SlurmJob": SlurmJob(meshes={"workers": 1}), "ProcMesh": procs}
         assert not _missing(objects, monarch_compat.PRIVATE_NAMES), f"checked with {monarch_compat.CHECKED_WITH}"
+        assert monarch_compat.runtime_exit_handler() is not None  # what controller.interpreter_exit runs
+        assert monarch_compat.ACTOR_THREADS[0] in {thread.name for thread in threading.enumerate()}
     finally:
         procs.stop().get(timeout=60)
 

@@ -1,11 +1,14 @@
 """``examples/notebook.ipynb`` runs headless in a real Jupyter kernel: one progress bar, worker
 errors shown in their cells, a kernel that survives a dead worker and an interrupt, a warm mesh
-reused by the next cell, and no worker process left once the kernel has shut down."""
+reused by the next cell, and no worker process left once the kernel has shut down, which ends with
+exit code 0 (issue 58)."""
 
 from __future__ import annotations
 
 import re
+import subprocess
 import time
+from dataclasses import dataclass
 
 import nbformat
 import psutil
@@ -35,14 +38,30 @@ def text(notebook: nbformat.NotebookNode, name: str) -> str:
     return "".join(output.text for _, output in outputs(notebook, "stream") if output.name == name)
 
 
+@dataclass
+class Run:
+    """The executed notebook, and the kernel's process, which the client shut down at the end."""
+
+    notebook: nbformat.NotebookNode
+    kernel: subprocess.Popen
+
+
 @pytest.fixture(scope="module")
-def executed(tmp_path_factory: pytest.TempPathFactory) -> nbformat.NotebookNode:
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     workdir = tmp_path_factory.mktemp("notebook")
-    NotebookClient(
+    client = NotebookClient(
         notebook, timeout=300, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(workdir)}}
-    ).execute()
-    return notebook
+    )
+    kernels: list[subprocess.Popen] = []
+    client.on_notebook_start = lambda notebook: kernels.append(client.km.provisioner.process)
+    client.execute()
+    return Run(notebook, kernels[0])
+
+
+@pytest.fixture(scope="module")
+def executed(run: Run) -> nbformat.NotebookNode:
+    return run.notebook
 
 
 def test_only_the_cells_that_show_a_worker_failure_have_errors(executed: nbformat.NotebookNode) -> None:
@@ -82,3 +101,9 @@ def test_no_worker_process_outlives_the_kernel(executed: nbformat.NotebookNode) 
     while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in [kernel, *pids]):
         time.sleep(0.2)
     assert not [pid for pid in [kernel, *pids] if psutil.pid_exists(pid)]
+
+
+def test_the_kernel_shuts_down_with_exit_code_0(run: Run) -> None:
+    """The client asks the kernel to shut down and kills it if it has not ended within 5 s; the kernel
+    ends by itself, through Python's exit handlers, Monarch's included, with code 0."""
+    assert run.kernel.returncode == 0

@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch import errors, namespaces
+from lightning_monarch.controller import interpreter_exit
 
 if TYPE_CHECKING:
     from lightning_monarch.strategy import MonarchStrategy
@@ -43,7 +44,8 @@ def install() -> None:
        controller without a GPU accepts it (``WorkerGPUAccelerator``);
     5. ``UnreachableHostsError``, one class for both namespaces, is this namespace's
        ``MisconfigurationException`` (``errors.count_as_misconfiguration``);
-    6. the same for ``pytorch_lightning``'s Trainer, by importing ``lightning_monarch.pl``, as soon
+    6. Monarch's threads end before the interpreter finalizes (``controller.interpreter_exit``);
+    7. the same for ``pytorch_lightning``'s Trainer, by importing ``lightning_monarch.pl``, as soon
        as ``pytorch_lightning`` is imported (:func:`lightning_monarch.namespaces.import_after`).
     """
     global _installed
@@ -55,6 +57,7 @@ def install() -> None:
     from lightning_monarch._compat import lightning as lightning_compat
 
     monarch.actor.unhandled_fault_hook = _log_fault
+    interpreter_exit.guard()
     for strategy in _strategies():
         strategy.register_strategies(StrategyRegistry)
     lightning_compat.route_accelerator(_check_flags)
