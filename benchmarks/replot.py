@@ -19,6 +19,7 @@ from benchmarks import (
     exits,
     fed,
     monarch_knobs,
+    namespace_import,
     plots,
     recovery,
     rehearsal,
@@ -45,6 +46,7 @@ WRITERS: dict[str, ModuleType] = {
     "fed": fed,
     "suite": suite,
     "exits": exits,
+    "namespace_import": namespace_import,
 }
 
 

@@ -10,8 +10,9 @@ is written once, against ``lightning.pytorch``. ``lightning_monarch.pl`` is the 
 ``pytorch_lightning``: when one of its modules is imported, :class:`MirrorFinder` reads the
 ``lightning_monarch`` module's file and compiles it with :class:`NamespaceRewriter`, which renames
 ``lightning.pytorch`` to ``pytorch_lightning``, ``lightning.fabric`` to ``lightning_fabric``, and
-``lightning_monarch.X`` to ``lightning_monarch.pl.X``. Nothing is copied on disk; line numbers and
-file names stay those of the one source, so tracebacks point at it.
+``lightning_monarch.X`` to ``lightning_monarch.pl.X``. No source is copied; the compiled code is kept
+beside the package's bytecode (:class:`MirrorCache`). Line numbers and file names stay those of the
+one source, so tracebacks point at it.
 
 A module that imports no part of Lightning, itself or through another module of the package (the
 errors, the codec, the doors to Monarch, torch and Python), is not mirrored: both namespaces
@@ -24,11 +25,15 @@ Other packages that hold Lightning code of their own may be mirrored the same wa
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
+import hashlib
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import marshal
+import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -114,32 +119,53 @@ def _rename_lightning(module: str) -> str:
 
 class ImportGraph:
     """Which modules of the mirrored packages need a copy: those that import Lightning, or a
-    module that needs one. Built from the packages' files when first asked, once per process."""
+    module that needs one. Built from the packages' files (:meth:`build`) once per process, or read
+    from :class:`MirrorCache`."""
 
-    def __init__(self, roots: dict[str, Path]) -> None:
-        self.files: dict[str, Path] = {}
-        self.packages: set[str] = set()
+    def __init__(self, files: dict[str, Path], packages: set[str], mirrored: set[str]) -> None:
+        #: Each module of the mirrored packages, and its file.
+        self.files = files
+        #: Those modules that are packages.
+        self.packages = packages
+        #: Those modules that need a copy.
+        self.mirrored = mirrored
+
+    @classmethod
+    def build(cls, roots: dict[str, Path]) -> ImportGraph:
+        """The graph of the packages ``roots`` names, from their files' imports."""
+        files: dict[str, Path] = {}
+        packages: set[str] = set()
         for root, directory in roots.items():
             for path in sorted(directory.rglob("*.py")):
                 parts = [root, *path.relative_to(directory).with_suffix("").parts]
                 if parts[-1] == "__init__":
                     parts.pop()
-                    self.packages.add(".".join(parts))
-                self.files[".".join(parts)] = path
-        imports = {name: set(self._imports(path)) for name, path in self.files.items()}
-        self.mirrored: set[str] = set()
+                    packages.add(".".join(parts))
+                files[".".join(parts)] = path
+        imports = {name: set(cls._imports(path)) for name, path in files.items()}
+        mirrored: set[str] = set()
         changed = True
         while changed:  # until no module is added: a module needs a copy if one it imports does
-            before = len(self.mirrored)
+            before = len(mirrored)
             for name, needs in imports.items():
-                if name not in self.mirrored and any(
-                    need.split(".")[0] in _LIGHTNING_PACKAGES or need in self.mirrored for need in needs
+                if name not in mirrored and any(
+                    need.split(".")[0] in _LIGHTNING_PACKAGES or need in mirrored for need in needs
                 ):
-                    self.mirrored.add(name)
-            for package in self.packages:  # ``from package import module`` needs the package's copy
-                if any(name.startswith(package + ".") for name in self.mirrored):
-                    self.mirrored.add(package)
-            changed = len(self.mirrored) != before
+                    mirrored.add(name)
+            for package in packages:  # ``from package import module`` needs the package's copy
+                if any(name.startswith(package + ".") for name in mirrored):
+                    mirrored.add(package)
+            changed = len(mirrored) != before
+        return cls(files, packages, mirrored)
+
+    def facts(self) -> tuple[dict[str, str], set[str], set[str]]:
+        """The graph as :mod:`marshal` writes it; ``ImportGraph.from_facts`` reads it back."""
+        return {name: str(path) for name, path in self.files.items()}, self.packages, self.mirrored
+
+    @classmethod
+    def from_facts(cls, facts: tuple[dict[str, str], set[str], set[str]]) -> ImportGraph:
+        files, packages, mirrored = facts
+        return cls({name: Path(path) for name, path in files.items()}, packages, mirrored)
 
     @staticmethod
     def _imports(path: Path) -> Iterable[str]:
@@ -267,16 +293,89 @@ class _Shared(importlib.abc.Loader):
         module.__spec__ = self._spec
 
 
+class MirrorCache:
+    """The mirror's work kept between processes, as Python keeps bytecode: the import graph, and
+    each mirrored module's code beside the module's own ``.pyc``
+    (``__pycache__/strategy.cpython-311.pl.pyc``).
+
+    Every entry starts with :attr:`key`, a digest of all that the rewrite reads: Python's magic
+    number, this module's source, and the names and contents of every file of the mirrored
+    packages. An entry with another key is not used; the caller compiles again and writes it anew.
+    Entries are written atomically (a temporary file, renamed), and not at all where the directory
+    cannot be written or ``sys.dont_write_bytecode`` is set: then each process compiles, as it
+    would without a cache. Runs in every process that imports a mirrored module.
+    """
+
+    def __init__(self, roots: dict[str, Path]) -> None:
+        digest = hashlib.sha256(importlib.util.MAGIC_NUMBER + Path(__file__).read_bytes())
+        for root, directory in sorted(roots.items()):
+            for path in sorted(directory.rglob("*.py")):
+                digest.update(f"\0{root}\0{path}\0".encode())
+                digest.update(path.read_bytes())
+        self.key = digest.digest()
+        first = min(roots)
+        #: Where the graph of these roots is kept: in the first root's ``__pycache__``.
+        self.graph_entry = self.entry(roots[first] / "__init__.py").with_name(
+            f"{SUFFIX}-graph.{'+'.join(sorted(roots))}.{sys.implementation.cache_tag}.marshal"
+        )
+
+    @staticmethod
+    def entry(source: Path) -> Path:
+        """Where the code compiled from ``source`` for the mirror is kept."""
+        return Path(importlib.util.cache_from_source(str(source))).with_suffix(f".{SUFFIX}.pyc")
+
+    def load(self, entry: Path) -> Any:
+        """What ``entry`` holds if it was written under this :attr:`key`, else ``None``."""
+        try:
+            data = entry.read_bytes()
+        except OSError:
+            return None
+        if not data.startswith(self.key):
+            return None
+        try:
+            return marshal.loads(data[len(self.key) :])
+        except (EOFError, ValueError, TypeError):
+            return None
+
+    def store(self, entry: Path, value: Any) -> None:
+        """Write ``value`` (what :mod:`marshal` writes) to ``entry`` under this :attr:`key`."""
+        if sys.dont_write_bytecode:
+            return
+        temporary = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
+        try:
+            entry.parent.mkdir(exist_ok=True)
+            temporary.write_bytes(self.key + marshal.dumps(value))
+            os.replace(temporary, entry)
+        except OSError:
+            with contextlib.suppress(OSError):  # also when the directory is not one
+                temporary.unlink()
+
+
 class MirrorFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """On ``sys.meta_path``, first: finds ``R.pl`` and its modules for each mirrored package ``R``,
-    and loads each from ``R``'s file, rewritten by :class:`NamespaceRewriter`."""
+    and loads each from ``R``'s file, rewritten by :class:`NamespaceRewriter` (or from
+    :class:`MirrorCache`)."""
 
     def __init__(self) -> None:
         self.roots: dict[str, Path] = {}
 
     @functools.cached_property
+    def cache(self) -> MirrorCache:
+        return MirrorCache(self.roots)
+
+    @functools.cached_property
     def graph(self) -> ImportGraph:
-        return ImportGraph(self.roots)
+        facts = self.cache.load(self.cache.graph_entry)
+        if facts is not None:
+            return ImportGraph.from_facts(facts)
+        graph = ImportGraph.build(self.roots)
+        self.cache.store(self.cache.graph_entry, graph.facts())
+        return graph
+
+    def reset(self) -> None:
+        """Forget what was derived from :attr:`roots`, after they changed."""
+        self.__dict__.pop("graph", None)
+        self.__dict__.pop("cache", None)
 
     def find_spec(
         self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
@@ -298,10 +397,17 @@ class MirrorFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def get_code(self, fullname: str) -> CodeType:
         """The module's code: its original file, rewritten (``python -m`` asks for it too)."""
-        filename = str(self.graph.files[counterpart(fullname)])
-        tree = ast.parse(Path(filename).read_bytes(), filename)
+        source = self.graph.files[counterpart(fullname)]
+        entry = self.cache.entry(source)
+        code = self.cache.load(entry)
+        if isinstance(code, CodeType):
+            return code
+        filename = str(source)
+        tree = ast.parse(source.read_bytes(), filename)
         tree = ast.fix_missing_locations(NamespaceRewriter(self.graph, self.roots, filename).visit(tree))
-        return compile(tree, filename, "exec", dont_inherit=True)
+        code = compile(tree, filename, "exec", dont_inherit=True)
+        self.cache.store(entry, code)
+        return code
 
     def exec_module(self, module: ModuleType) -> None:
         exec(self.get_code(module.__name__), module.__dict__)
@@ -317,7 +423,7 @@ def mirror(root: str, directory: Path) -> None:
     files are in ``directory``). Call it before anything imports ``root.pl``; idempotent."""
     if FINDER.roots.get(root) != directory:
         FINDER.roots[root] = directory
-        FINDER.__dict__.pop("graph", None)
+        FINDER.reset()
 
 
 def import_after(name: str, module: str) -> None:

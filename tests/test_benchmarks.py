@@ -29,9 +29,11 @@ COMMITTED = (
     "fed",
     "suite",
     "exits",
+    "namespace_import",
 )
-#: Those with a reference to draw beside monarch: ``ddp``, Lightning's own, or (``exits``) no guard.
-WITH_REFERENCE = ("latest", "stages", "sharded", "recovery", "elastic", "fed", "exits")
+#: Those with a reference to draw beside monarch: ``ddp``, Lightning's own, no exit guard (``exits``)
+#: or ``pytorch_lightning`` without the mirror (``namespace_import``).
+WITH_REFERENCE = ("latest", "stages", "sharded", "recovery", "elastic", "fed", "exits", "namespace_import")
 #: Words of the value axis's label that name its unit.
 UNITS = ("ms", "seconds", "MiB", "relative to ddp")
 

@@ -8,6 +8,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import pytorch_lightning
@@ -54,7 +55,7 @@ def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     for name in [name for name in sys.modules if name.split(".")[0] == "namespaced"]:
         del sys.modules[name]
     del namespaces.FINDER.roots["namespaced"]
-    namespaces.FINDER.__dict__.pop("graph", None)  # the import graph of the suite's own roots, built anew
+    namespaces.FINDER.reset()  # the import graph of the suite's own roots, built anew
 
 
 def test_imports_strings_and_chains_are_rewritten_and_lines_kept(package: Path) -> None:
@@ -90,3 +91,60 @@ def test_an_import_that_cannot_be_renamed_is_refused_with_the_fix(package: Path)
 def test_a_module_that_is_not_there_is_not_found(package: Path) -> None:
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("namespaced.pl.missing")
+
+
+def _import_anew(name: str) -> ModuleType:
+    """``name`` imported as a new process would: no module of the package loaded, the graph not built."""
+    for loaded in [loaded for loaded in sys.modules if loaded.split(".")[0] == "namespaced"]:
+        del sys.modules[loaded]
+    namespaces.FINDER.reset()
+    return importlib.import_module(name)
+
+
+@pytest.fixture
+def writes_bytecode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python's default, which a shell with ``PYTHONDONTWRITEBYTECODE`` set (this machine's) turns off."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+
+
+@pytest.mark.usefixtures("writes_bytecode")
+def test_the_second_import_takes_the_compiled_code_from_the_cache(
+    package: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    compiled = importlib.import_module("namespaced.pl.uses")
+    cache = namespaces.FINDER.cache
+    assert cache.entry(package / "uses.py").name == f"uses.{sys.implementation.cache_tag}.pl.pyc"
+    assert cache.entry(package / "uses.py").exists() and cache.graph_entry.exists()
+
+    def no_rewrite(*args: object) -> None:
+        raise AssertionError("the module was rewritten again")
+
+    monkeypatch.setattr(namespaces.NamespaceRewriter, "visit", no_rewrite)
+    monkeypatch.setattr(namespaces.ImportGraph, "build", no_rewrite)
+    cached = _import_anew("namespaced.pl.uses")
+    assert cached is not compiled and cached.CLASS_PATH == "pytorch_lightning.callbacks.ModelCheckpoint"
+    assert cached.ModelCheckpoint is pytorch_lightning.callbacks.ModelCheckpoint and cached.LINE == compiled.LINE
+
+
+@pytest.mark.usefixtures("writes_bytecode")
+def test_a_changed_file_is_compiled_again(package: Path) -> None:
+    importlib.import_module("namespaced.pl.uses")
+    with (package / "plain.py").open("a") as plain:  # any file of the package: the graph may change
+        plain.write("import lightning\n")
+    with (package / "uses.py").open("a") as uses:
+        uses.write("CHANGED = lightning.__name__\n")
+    uses = _import_anew("namespaced.pl.uses")
+    assert uses.CHANGED == "pytorch_lightning"
+    assert uses.plain is not importlib.import_module("namespaced.plain")  # plain imports Lightning now: mirrored
+
+
+@pytest.mark.parametrize("unwritable", ["dont_write_bytecode", "cache directory is a file"])
+def test_without_a_writable_cache_each_import_compiles(
+    unwritable: str, package: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "dont_write_bytecode", unwritable == "dont_write_bytecode")
+    if unwritable != "dont_write_bytecode":
+        (package / "__pycache__").write_text("")
+    assert importlib.import_module("namespaced.pl.uses").CLASS_PATH == "pytorch_lightning.callbacks.ModelCheckpoint"
+    assert not namespaces.FINDER.cache.entry(package / "uses.py").exists()
+    assert _import_anew("namespaced.pl.uses").CLASS_PATH == "pytorch_lightning.callbacks.ModelCheckpoint"
