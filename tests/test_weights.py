@@ -22,6 +22,7 @@ from torch import nn
 
 import lightning_monarch
 from lightning_monarch import MonarchFSDPStrategy, MonarchStrategy
+from tests.memory import PeakRss
 from tests.models import WeightRecorder
 from tests.parity_cases import SEED, TokenTransformer
 
@@ -184,3 +185,54 @@ def test_after_a_sharded_fit_the_next_stage_runs_from_the_workers_shards() -> No
     # the workers keep the shards of `loaded` now, not those of the trained module
     with pytest.raises(MisconfigurationException, match="no warm worker mesh keeps its trained shards"):
         trainer.validate(model, verbose=False)
+
+
+def test_a_messages_size_is_its_pickles_counted_without_a_copy() -> None:
+    """``controller.mesh.counted.pickled_size``: the length of the protocol-5 pickle (numpy's
+    buffers out of band, as Monarch sends them), cloudpickle's for what only it pickles, and no
+    copy of the bytes while counting."""
+    import pickle
+    import tracemalloc
+
+    import numpy as np
+
+    from lightning_monarch.controller.mesh.counted import pickled_size
+
+    args = ([b"x" * 1000, bytearray(300)], {"array": np.arange(50.0)}, "text")
+    in_band = len(pickle.dumps(args, protocol=5))
+    assert abs(pickled_size(args) - in_band) < 64, (pickled_size(args), in_band)
+    assert pickled_size((lambda x: x,)) > 0  # cloudpickle's
+    weights = [bytes(100 * 2**20)]
+    tracemalloc.start()
+    try:
+        assert pickled_size((weights,)) >= 100 * 2**20
+        assert tracemalloc.get_traced_memory()[1] < 2**20  # the peak while counting: no copy
+    finally:
+        tracemalloc.stop()
+
+
+class LargeValidated(L.LightningModule):
+    """400 MiB of weights, validated on two small batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(10240, 10240)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("out", self.layer(batch).mean())
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.zeros(4, 10240), batch_size=1)
+
+
+def test_a_stage_sent_by_message_holds_one_copy_of_the_weights_on_the_controller() -> None:
+    """Storages that go to rank 0 in one message (``shared_memory=False``; also a small ``/dev/shm``
+    or rank 0 on another host) are copied once on the controller (``storages.copies``, which Monarch
+    sends as they are); counting the message's bytes copies nothing more."""
+    model = LargeValidated()
+    size = _state_bytes(model)
+    trainer = _trainer(MonarchStrategy(shared_memory=False))
+    with PeakRss() as peak:
+        trainer.validate(model, verbose=False)
+    assert trainer.strategy.sent_bytes["receive_storages"] >= size
+    assert peak.growth <= 1.25 * size, f"{peak.growth / 2**20:.0f} MiB above the module's {size / 2**20:.0f} MiB"

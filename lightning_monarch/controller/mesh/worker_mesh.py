@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pickle
 import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import cloudpickle
 from monarch.actor import HostMesh, ProcMesh, this_host
 
 from lightning_monarch._compat.monarch import SupervisionError
@@ -114,7 +112,8 @@ class WorkerMesh:
         #: the last stage (``MonarchFSDPStrategy``), with its parameters and buffers as they were then.
         self.kept_shards: Optional[KeptShards] = None
         #: The bytes this process sent the workers since :meth:`count_from_here`, by endpoint (a
-        #: message's pickled size once per rank it goes to; storages in shared memory once).
+        #: message's pickled size once per rank it goes to, ``controller.mesh.counted``; storages in
+        #: shared memory once).
         self.sent: Counter[str] = Counter()
 
     @classmethod
@@ -143,7 +142,7 @@ class WorkerMesh:
         says who it is. Workers on other hosts forward their output here (``WorkerOutput``).
         ``layout``: the hosts and their slots, by default every host of the mesh."""
         WorkerOutput.forward_new_processes(self._output is not None)
-        world = WorkerWorld(self._per_host, self._spawn_procs, "lightning_monarch_worker")
+        world = WorkerWorld(self._per_host, self._spawn_procs, "lightning_monarch_worker", self.sent)
         self._world = world
         try:
             for hosts, slots in layout or [(self._hosts, list(range(host_count(self._hosts))))]:
@@ -163,9 +162,9 @@ class WorkerMesh:
     def _attach(self) -> None:
         """Address the world's workers, and watch their processes."""
         assert self._world is not None
+        self.num_workers = self._world.num_workers
         self._workers = self._world.workers
         self._rank0 = self._world.rank0
-        self.num_workers = self._world.num_workers
         self._watch.forget()  # a world that changed: the workers' lifelines of the one before
         self._watch = ProcessWatch([])  # nothing to watch until the workers said who they are
         processes = self._gather(self._workers.process_id.stream())
@@ -221,19 +220,10 @@ class WorkerMesh:
         """Send ``message``; unless it is fire-and-forget, every addressed rank's answer, in the
         order they arrive (``_gather``)."""
         endpoint = getattr(self._rank0 if message.rank0 else self._workers, message.endpoint)
-        self._count(message.endpoint, message.args, 1 if message.rank0 else self.num_workers)
         if not message.wait:
             endpoint.broadcast(*message.args)
             return None
         return self._gather(endpoint.stream(*message.args))
-
-    def _count(self, endpoint: str, args: tuple[Any, ...], ranks: int) -> None:
-        """Count a message to ``ranks`` ranks in :attr:`sent`: its arguments' pickled size for each."""
-        try:
-            size = len(pickle.dumps(args, protocol=5))
-        except Exception:  # what only cloudpickle pickles, as Monarch does
-            size = len(cloudpickle.dumps(args))
-        self.sent[endpoint] += size * ranks
 
     def fetch(self, progress: int) -> list[Entry]:
         """Rank 0's next entries (R3); ``progress`` is how many rank 0 has sent so far. While rank 0
@@ -243,7 +233,6 @@ class WorkerMesh:
             death, self._death = self._death, None
             raise death
         started = checked = time.monotonic()
-        self._count("fetch", (), 1)
         future = self._rank0.fetch.call_one()
         pending: list[Any] = []
         statuses: dict[int, RankStatus] = {}
@@ -261,7 +250,6 @@ class WorkerMesh:
                 )
                 if time.monotonic() - checked >= _STATUS_S:
                     checked = time.monotonic()
-                    self._count("status", (), self.num_workers)
                     pending.extend(self._workers.status.stream())
             except SupervisionError as error:
                 deaths.raise_death(error, self._watch)
@@ -269,7 +257,6 @@ class WorkerMesh:
                 if not isinstance(answer, RankStatus):
                     break
                 statuses[0] = answer  # rank 0's batch in progress has not ended: ask again
-                self._count("fetch", (), 1)
                 future = self._rank0.fetch.call_one()
         entries = decode(answer)
         if entries and entries[-1].failure is not None:
@@ -323,7 +310,6 @@ class WorkerMesh:
 
     def grant(self, batches: int) -> None:
         """Tell every worker that the controller took ``batches`` batch starts (R4)."""
-        self._count("grant", (Grant(batches),), self.num_workers)
         self._workers.grant.broadcast(Grant(batches))
 
     def predictions(self) -> list[PredictionShard]:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from monarch.actor import HostMesh, ProcMesh
 
+from lightning_monarch.controller.mesh.counted import Counted
 from lightning_monarch.controller.mesh.hosts import host_count
 from lightning_monarch.specs import WorldSpec
 from lightning_monarch.worker.actor import MonarchWorker
@@ -79,11 +81,15 @@ class _FanoutEndpoint:
 class WorkerWorld:
     """Runs on the controller: the parts of a mesh's worker processes, their ranks and environment."""
 
-    def __init__(self, per_host: int, spawn: Callable[[HostMesh], ProcMesh], actor_name: str) -> None:
-        """``spawn`` starts ``per_host`` worker processes on each of the hosts it is given."""
+    def __init__(
+        self, per_host: int, spawn: Callable[[HostMesh], ProcMesh], actor_name: str, sent: Counter[str]
+    ) -> None:
+        """``spawn`` starts ``per_host`` worker processes on each of the hosts it is given; every
+        message to the workers is counted in ``sent`` (``controller.mesh.counted``)."""
         self._per_host = per_host
         self._spawn = spawn
         self._actor_name = actor_name
+        self._sent = sent
         self.parts: list[Part] = []
         #: The ``ProcMesh``es this world started, which only it can stop.
         self.owned: list[ProcMesh] = []
@@ -127,9 +133,9 @@ class WorkerWorld:
         return part.hosts.slice(**{host_label(part.hosts): part.slots.index(slot)})
 
     @property
-    def workers(self) -> Fanout:
+    def workers(self) -> Counted:
         """Every worker's actor."""
-        return Fanout([part.workers for part in self.parts])
+        return Counted(Fanout([part.workers for part in self.parts]), self.num_workers, self._sent)
 
     @property
     def rank0(self) -> Any:
@@ -139,7 +145,7 @@ class WorkerWorld:
         origin = dict.fromkeys(part.workers.extent.labels, 0)
         if len(origin) > 1:  # hosts are a dimension of the mesh (not of ``this_host()``'s)
             origin[host_label(part.hosts)] = part.slots.index(first)
-        return part.workers.slice(**origin)
+        return Counted(part.workers.slice(**origin), 1, self._sent)
 
     def lost_slots(self, timeout: float, stop_timeout: float) -> list[int]:
         """The slots of the hosts that do not serve a new process within ``timeout`` seconds: their
@@ -177,11 +183,12 @@ class WorkerWorld:
                     coordinate: slots.index(slot) for coordinate, slot in zip(part.coordinates, part.slots, strict=True)
                 },
             )
-            for future in part.workers.join_world.stream(world):
+            workers = Counted(part.workers, len(part.slots) * self._per_host, self._sent)
+            for future in workers.join_world.stream(world):
                 future.get()
 
 
-def leave_world(workers: Fanout, timeout: float) -> None:
+def leave_world(workers: Counted, timeout: float) -> None:
     """Each of ``workers`` leaves its stage and process group (not through the mesh's gather: the
     process watch may still see the dead)."""
     for left in workers.leave_world.stream():
