@@ -80,14 +80,21 @@ class EntryQueue:
             self._granted = self._taken
             self._channel.grant(self._taken)
 
-    def whole_batch(self, start: str) -> int:
+    def whole_batch(self, start: str) -> Optional[int]:
         """How many entries the next batch has, if the fetched entries hold all of it and the next
-        batch's start, and none of them waits or carries nested results; else 0."""
-        if not self._entries or self._entries[0].gate != start:
+        batch's start, and none of them waits or carries nested results; 0 if one does, or if the
+        next entry does not start a batch; ``None`` if the fetched entries end before that is known."""
+        if self._entries and self._entries[0].gate != start:
             return 0
         for position, entry in enumerate(self._entries):
             if position and entry.gate == start:
                 return position
             if entry.gate is None or entry.sync or entry.nested:
                 return 0
-        return 0
+        return None
+
+    def fetch_more(self) -> bool:
+        """Fetch rank 0's next entries onto the queue, waiting for them; whether any came."""
+        fetched = self._channel.fetch()
+        self._entries.extend(fetched)
+        return bool(fetched)

@@ -58,7 +58,9 @@ class _MirroredLoggerConnector(lightning_compat.LoggerConnector):
 
     @override
     def update_eval_epoch_metrics(self) -> dict[str, Any]:
-        return self._monarch_source.next_eval_outputs()
+        """Rank 0's epoch metrics, and what controller callbacks logged here (at the epoch's end),
+        as one rank 0 under DDP holds both."""
+        return {**self._monarch_source.next_eval_outputs(), **super().update_eval_epoch_metrics()}
 
     @override
     def log_eval_end_metrics(self, metrics: dict[str, Any]) -> None:

@@ -8,12 +8,14 @@ loop (Lightning's progress bars advance by counts), the batches whose entries ra
 sent are taken together: after Lightning's own step of the first of them, the session takes the
 entries of the whole batches that follow (:meth:`StageSession.take_batches`), the loop's data
 fetcher and progress counters advance over them as its steps would have left them, and each
-progress bar is told the last one ended. The last batch of each dataloader, a batch with a sync
+progress bar is told each of them ended, so that it draws where it would have. The last batch of each dataloader, a batch with a sync
 gate or with nested results, and a step that takes ``dataloader_iter`` run Lightning's step.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
@@ -22,6 +24,8 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from lightning_monarch._compat import loops as loops_compat
 from lightning_monarch.gates import GateCallback
+
+log = logging.getLogger(__name__)
 
 #: The progress bars whose batch hooks only show how many batches ran.
 _COUNTING_BARS = (TQDMProgressBar, RichProgressBar)
@@ -61,11 +65,12 @@ def _bulk(trainer: Trainer, session: BatchTaker, loop: Any, stage: str) -> Calla
             if not taken:
                 return
             loops_compat.skip_batches(loop, taken, dataloader_idx, trainer.sanity_checking)
-            last = batch_idx + taken
-            for bar in bars:
-                getattr(bar, f"on_{stage}_batch_end")(
-                    trainer, trainer.lightning_module, None, last, last, dataloader_idx
-                )
+            log.debug("%s batches %d to %d taken in bulk", stage, batch_idx + 1, batch_idx + taken)
+            for index in range(batch_idx + 1, batch_idx + taken + 1):  # each bar draws where it would
+                for bar in bars:
+                    getattr(bar, f"on_{stage}_batch_end")(
+                        trainer, trainer.lightning_module, None, None, index, dataloader_idx
+                    )
 
         return bulk_step
 
@@ -74,18 +79,25 @@ def _bulk(trainer: Trainer, session: BatchTaker, loop: Any, stage: str) -> Calla
 
 def _counting_bars(callbacks: list[Callback], stage: str) -> Optional[list[Callback]]:
     """The progress bars to tell where a bulk of ``stage`` batches ends; ``None`` if a controller
-    callback needs the batch hooks of ``stage`` (it overrides one, and is not a progress bar that
-    only counts)."""
+    callback needs the batch hooks of ``stage`` (it overrides one, on its class or on the instance,
+    and is not a progress bar that only counts)."""
     hooks = (f"on_{stage}_batch_start", f"on_{stage}_batch_end")
     bars = []
     for callback in callbacks:
         if isinstance(callback, GateCallback):
             continue
-        overridden = [hook for hook in hooks if getattr(type(callback), hook) is not getattr(Callback, hook)]
-        if not overridden:
+        runs = {hook: _function(getattr(callback, hook)) for hook in hooks}
+        if all(runs[hook] is getattr(Callback, hook) for hook in hooks):
             continue
         counting = next((bar for bar in _COUNTING_BARS if isinstance(callback, bar)), None)
-        if counting is None or any(getattr(type(callback), hook) is not getattr(counting, hook) for hook in hooks):
+        if counting is None or any(runs[hook] is not getattr(counting, hook) for hook in hooks):
             return None
         bars.append(callback)
     return bars
+
+
+def _function(hook: Callable[..., Any]) -> Any:
+    """The function a callback's hook runs, under the gate the session may have wrapped it in
+    (``gates.install_hook_gates``): its class's, or one set on the instance."""
+    unwrapped = inspect.unwrap(hook)
+    return getattr(unwrapped, "__func__", unwrapped)

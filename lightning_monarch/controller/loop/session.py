@@ -107,6 +107,8 @@ class StageSession:
         #: Entries fetched and not taken yet, and the last one taken.
         self._queue = EntryQueue(channel, plan.max_ahead, self._warned, self._where)
         self._current: Optional[Entry] = None
+        #: The gates taken since the last batch start, in order: the batch the loop last ran.
+        self._batch_gates: list[str] = []
         self._released = True
         #: The control state the workers go on with after the current entry (R5).
         self._control: dict[str, Any] = {}
@@ -267,6 +269,8 @@ class StageSession:
         self._control = dict(entry.control)
         if GATES[gate].batch_start:
             self._queue.took_batch()
+            self._batch_gates = []
+        self._batch_gates.append(gate)
         return entry
 
     def _where(self) -> str:
@@ -274,20 +278,19 @@ class StageSession:
 
     def take_batches(self, stage: str, limit: int) -> int:
         """Take the entries of up to ``limit`` whole batches of the ``stage`` loop (``validation``,
-        ``test``, ``predict``) that rank 0 has sent already, as its loop would one gate at a time,
-        without running any hook here (``controller.loop.replay``); how many batches were taken. A batch
-        is whole when the next one's start has arrived; one with a sync gate or nested results is
-        left to the loop."""
-        start = gate_id("callback", f"on_{stage}_batch_start")
-        taken = 0
+        ``test``, ``predict``) without running any hook here (``controller.loop.replay``); how many
+        were taken. A batch is whole when the next one's start has arrived (fetched if need be); one
+        with a sync gate or nested results, or with other gates than the batch the loop just ran (each
+        gate compared), is left to the loop's step."""
+        start, expected, taken = gate_id("callback", f"on_{stage}_batch_start"), self._batch_gates, 0
         while taken < limit:
             entries = self._queue.whole_batch(start)
-            if not entries:
+            if entries is None and self._queue.fetch_more():
+                continue
+            if entries != len(expected):
                 break
-            for _ in range(entries):
+            for gate in expected:
                 self._leave()
-                gate = self._queue.first(ending=self._ended is not None).gate
-                assert gate is not None  # a whole batch holds no end entry
                 self._take(gate)
             taken += 1
         return taken
