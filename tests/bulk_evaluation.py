@@ -127,7 +127,8 @@ def run(strategy: Any, out_dir: Path) -> Optional[dict[str, Any]]:
     if not trainer.is_global_zero:
         return None
     results["csv"] = {
-        name: (out_dir / name / "version_0" / "metrics.csv").read_text() for name in ("refresh1", "refresh20")
+        name: (out_dir / name / "version_0" / "metrics.csv").read_text()
+        for name in ("refresh1", "refresh20", "counted")
     }
     return results
 

@@ -94,8 +94,12 @@ def test_the_progress_bar_draws_what_ddps_draws(
 def test_a_batch_hook_set_on_a_callback_instance_runs_for_every_batch(
     ddp: tuple[dict[str, Any], torch.Tensor], monarch: tuple[dict[str, Any], torch.Tensor, list[int]]
 ) -> None:
+    """The count a controller callback logs at the epoch's end is in ``validate``'s result and in
+    the same logged row as the module's epoch metrics, as under ``ddp``."""
     assert ddp[0]["counted"][0]["batches_counted"] == BATCHES_PER_RANK
     assert monarch[0]["counted"] == ddp[0]["counted"]
+    assert monarch[0]["csv"]["counted"] == ddp[0]["csv"]["counted"]
+    assert "batches_counted" in ddp[0]["csv"]["counted"].splitlines()[0]
 
 
 class ChangesItsGates(BulkEvaluated):

@@ -19,10 +19,13 @@ from lightning.pytorch import Trainer
 from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch.controller.loop.logger_calls import LoggerCalls
 
 
 class MetricsSource(Protocol):
     """What the mirror needs from the stage session."""
+
+    logger_calls: LoggerCalls
 
     def read_metrics(self, view: str) -> dict[str, Any]: ...
 
@@ -59,8 +62,10 @@ class _MirroredLoggerConnector(lightning_compat.LoggerConnector):
     @override
     def update_eval_epoch_metrics(self) -> dict[str, Any]:
         """Rank 0's epoch metrics, and what controller callbacks logged here (at the epoch's end),
-        as one rank 0 under DDP holds both."""
-        return {**self._monarch_source.next_eval_outputs(), **super().update_eval_epoch_metrics()}
+        as one rank 0 under DDP holds both, and logs both in one row."""
+        logged_here = super().update_eval_epoch_metrics()
+        self._monarch_source.logger_calls.log_at_eval_end(logged_here)
+        return {**self._monarch_source.next_eval_outputs(), **logged_here}
 
     @override
     def log_eval_end_metrics(self, metrics: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ from lightning_monarch.controller.features.elastic import ElasticFit
 from lightning_monarch.controller.loop.attribution import CallbackAttribution
 from lightning_monarch.controller.loop.callbacks import check_controller_callbacks
 from lightning_monarch.controller.loop.entries import EntryQueue
+from lightning_monarch.controller.loop.logger_calls import LoggerCalls
 from lightning_monarch.controller.loop.metrics import MetricOrigins, mirror_metrics
 from lightning_monarch.controller.loop.mirror_guard import MirrorGuard
 from lightning_monarch.controller.loop.mirrors import WorkerLoaders, follow_optimizers, optimizer_mirrors, plan_loaders
@@ -104,6 +105,8 @@ class StageSession:
         self._elastic = elastic
         #: Shows rank 0's warnings as its entries are taken (``controller.mesh.worker_warnings``).
         self._warned = warned if warned is not None else WorkerWarnings(channel.mesh.num_workers)
+        #: Makes rank 0's logger calls on the controller's loggers as entries are taken.
+        self.logger_calls = LoggerCalls(trainer)
         #: Entries fetched and not taken yet, and the last one taken.
         self._queue = EntryQueue(channel, plan.max_ahead, self._warned, self._where)
         self._current: Optional[Entry] = None
@@ -299,15 +302,7 @@ class StageSession:
         trainer = self._trainer
         self._warned.show_rank0(entry.warnings)
         set_control_state(trainer, entry.control)
-        for call in entry.logger_calls:
-            logger = trainer.loggers[call.logger_index]
-            if call.method.startswith("experiment."):
-                target = logger.experiment  # type: ignore[attr-defined]
-            else:
-                target = logger
-            getattr(target, call.method.rsplit(".", 1)[-1])(*call.args, **call.kwargs)
-            if call.method == "log_metrics":
-                logger.save()
+        self.logger_calls.make(entry.logger_calls)
         follow_optimizers(trainer, entry.param_groups, entry.lr_scheduler_configs, self.checkpoint_state)
         if entry.manual_steps is not None:
             lightning_compat.manual_step_progress(trainer).load_state_dict(entry.manual_steps)
