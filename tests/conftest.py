@@ -41,9 +41,10 @@ if not os.environ.get(RUN_MARKER, "").endswith(f"/{_XDIST_WORKER}"):
 #: alone at the end.
 SLOWEST_FIRST = (
     "test_elastic.py",
-    "test_pytorch_lightning.py",
+    "test_hidden_hosts.py",
     "test_hosts.py",
     "test_examples.py",
+    "test_pytorch_lightning.py",
     "test_parity.py",
     "test_model_parallel.py",
     "test_notebook.py",
