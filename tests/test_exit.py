@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -63,26 +66,49 @@ if ending == "raise":
 """
 
 
-def _controller(order: str, stage: str, ending: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", CONTROLLER, order, stage, ending, "forced"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+#: Each test's controller: its import order, stage and ending.
+RUNS = {"fit": ("lightning_monarch-first", "fit", "return"), "raise": ("monarch-first", "validate", "raise")}
 
 
-def test_a_fit_ends_with_code_0_when_monarchs_driver_is_late() -> None:
-    ended = _controller("lightning_monarch-first", "fit", "return")
-    assert "stage ended" in ended.stdout, ended.stderr[-3000:]
-    assert ended.returncode == 0, ended.stderr[-3000:]
-    assert "FATAL" not in ended.stderr and "Aborted" not in ended.stderr
+@dataclass(frozen=True)
+class Ended:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def test_an_error_after_validate_ends_with_the_scripts_code_whatever_the_import_order() -> None:
-    ended = _controller("monarch-first", "validate", "raise")
-    assert "stage ended" in ended.stdout, ended.stderr[-3000:]
-    assert ended.returncode == 1, ended.stderr[-3000:]
-    assert "RuntimeError: the script's own error" in ended.stderr
-    assert "FATAL" not in ended.stderr and "Aborted" not in ended.stderr
+@pytest.fixture(scope="module")
+def ended() -> dict[str, Ended]:
+    """Both controllers, run side by side (each spends 5 s of its exit holding or sleeping)."""
+    with tempfile.TemporaryDirectory() as directory:
+        outputs = {name: (Path(directory) / f"{name}.out", Path(directory) / f"{name}.err") for name in RUNS}
+        running = {
+            name: subprocess.Popen(
+                [sys.executable, "-c", CONTROLLER, *arguments, "forced"],
+                cwd=ROOT,
+                stdout=outputs[name][0].open("w"),
+                stderr=outputs[name][1].open("w"),
+            )
+            for name, arguments in RUNS.items()
+        }
+        try:
+            codes = {name: process.wait(timeout=150) for name, process in running.items()}
+        finally:
+            for process in running.values():
+                process.kill()
+        return {name: Ended(codes[name], outputs[name][0].read_text(), outputs[name][1].read_text()) for name in RUNS}
+
+
+def test_a_fit_ends_with_code_0_when_monarchs_driver_is_late(ended: dict[str, Ended]) -> None:
+    run = ended["fit"]
+    assert "stage ended" in run.stdout, run.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "FATAL" not in run.stderr and "Aborted" not in run.stderr
+
+
+def test_an_error_after_validate_ends_with_the_scripts_code_whatever_the_import_order(ended: dict[str, Ended]) -> None:
+    run = ended["raise"]
+    assert "stage ended" in run.stdout, run.stderr[-3000:]
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "RuntimeError: the script's own error" in run.stderr
+    assert "FATAL" not in run.stderr and "Aborted" not in run.stderr
