@@ -4,12 +4,13 @@ Runs on the controller. Its Lightning loop follows the workers' entries one gate
 for a batch of an evaluation or prediction loop that is Lightning's whole per-batch machinery (the
 data fetcher, the batch transfer hooks, every callback's batch hooks, the logger connector) for
 entries that only say the batch ran. Where no controller callback needs the batch hooks of that
-loop (Lightning's progress bars advance by counts), the batches whose entries rank 0 has already
-sent are taken together: after Lightning's own step of the first of them, the session takes the
-entries of the whole batches that follow (:meth:`StageSession.take_batches`), the loop's data
-fetcher and progress counters advance over them as its steps would have left them, and each
-progress bar is told each of them ended, so that it draws where it would have. The last batch of each dataloader, a batch with a sync
-gate or with nested results, and a step that takes ``dataloader_iter`` run Lightning's step.
+loop (Lightning's progress bars advance by counts), batches are taken together: after Lightning's
+own step of one, the session takes the entries of the whole batches that follow, fetching them as
+needed (:meth:`StageSession.take_batches`), the loop's data fetcher and progress counters advance
+over them as its steps would have left them, and each progress bar is told each of them ended, so
+that it draws where it would have. The last batch of each dataloader, a batch with a sync gate,
+nested results or other gates than the batch before, and a step that takes ``dataloader_iter`` run
+Lightning's step. Each bulk is logged at DEBUG (``tests/test_bulk_evaluation.py`` counts them).
 """
 
 from __future__ import annotations
