@@ -36,7 +36,7 @@ import marshal
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType, ModuleType
@@ -117,6 +117,14 @@ def _rename_lightning(module: str) -> str:
     return PYTORCH_LIGHTNING.pytorch if module == "lightning" else module
 
 
+def source_files(roots: dict[str, Path]) -> Iterator[tuple[str, Path, Path]]:
+    """Each Python file of the packages ``roots`` names, with its root and the root's directory,
+    in one order: roots by name, files by path."""
+    for root, directory in sorted(roots.items()):
+        for path in sorted(directory.rglob("*.py")):
+            yield root, directory, path
+
+
 class ImportGraph:
     """Which modules of the mirrored packages need a copy: those that import Lightning, or a
     module that needs one. Built from the packages' files (:meth:`build`) once per process, or read
@@ -135,13 +143,12 @@ class ImportGraph:
         """The graph of the packages ``roots`` names, from their files' imports."""
         files: dict[str, Path] = {}
         packages: set[str] = set()
-        for root, directory in roots.items():
-            for path in sorted(directory.rglob("*.py")):
-                parts = [root, *path.relative_to(directory).with_suffix("").parts]
-                if parts[-1] == "__init__":
-                    parts.pop()
-                    packages.add(".".join(parts))
-                files[".".join(parts)] = path
+        for root, directory, path in source_files(roots):
+            parts = [root, *path.relative_to(directory).with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+                packages.add(".".join(parts))
+            files[".".join(parts)] = path
         imports = {name: set(cls._imports(path)) for name, path in files.items()}
         mirrored: set[str] = set()
         changed = True
@@ -308,10 +315,9 @@ class MirrorCache:
 
     def __init__(self, roots: dict[str, Path]) -> None:
         digest = hashlib.sha256(importlib.util.MAGIC_NUMBER + Path(__file__).read_bytes())
-        for root, directory in sorted(roots.items()):
-            for path in sorted(directory.rglob("*.py")):
-                digest.update(f"\0{root}\0{path}\0".encode())
-                digest.update(path.read_bytes())
+        for root, _, path in source_files(roots):
+            digest.update(f"\0{root}\0{path}\0".encode())
+            digest.update(path.read_bytes())
         self.key = digest.digest()
         first = min(roots)
         #: Where the graph of these roots is kept: in the first root's ``__pycache__``.
