@@ -43,9 +43,10 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "SlurmJob": ("_meshes", "_ntasks_per_node", "_gpus_per_node", "_port", "_all_hostnames"),
     "ProcMesh": ("_logging_manager",),
 }
-#: The names of the threads Monarch starts in a process that uses it as a client: the event loop
-#: and the driver of its root client actor (``monarch._src.actor.actor_mesh._sync_dispatch_loop``),
-#: Python daemon threads that wait in Rust calls without the GIL.
+#: The names of the threads Monarch starts in a process that uses it as a client: its event loop,
+#: and a driver for each sync actor that runs in the process (``_sync_dispatch_loop`` in
+#: ``monarch._src.actor.actor_mesh``; ours is the loader feed), Python daemon threads that wait in
+#: Rust calls without the GIL.
 ACTOR_THREADS = ("monarch-actor-event-loop", "monarch-actor-driver")
 #: What Monarch's proc launcher sets in the environment of every process it launches for a proc
 #: mesh (``monarch._src.actor.proc_launcher.LaunchOptions``), and nowhere else.

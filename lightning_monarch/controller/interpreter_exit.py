@@ -2,8 +2,8 @@
 
 Runs on the controller, at interpreter exit (``controller.install`` calls :func:`guard` once).
 
-Why: a process that used Monarch as a client holds two daemon threads of Monarch's
-(``_compat.monarch.ACTOR_THREADS``) that wait in Rust calls without the GIL. Monarch's last exit
+Why: a process that used Monarch as a client holds daemon threads of Monarch's (its event loop and
+an actor's driver, ``_compat.monarch.ACTOR_THREADS``) that wait in Rust calls without the GIL. Monarch's last exit
 handler, ``shutdown_tokio_runtime``, stops its runtimes and gives them 250 ms to end. A thread that
 is not scheduled in that window (a loaded machine) returns into Python after finalization began;
 CPython then ends it with ``pthread_exit``, whose forced unwind the Rust binding's panic catcher

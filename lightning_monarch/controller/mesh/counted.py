@@ -1,9 +1,9 @@
 """The bytes the controller sends its workers, counted where every message leaves it.
 
 Runs on the controller. ``WorkerWorld`` hands out its workers' actor meshes only as
-:class:`Counted` ones, so that no message goes around the count (``MonarchStrategy.sent_bytes``, which the byte
-tests read): each endpoint call adds its arguments' pickled size, once per rank it goes to, under
-the endpoint's name.
+:class:`Counted` ones, so that no message goes around the count (``MonarchStrategy.sent_bytes``,
+which the byte tests read): each endpoint call adds its arguments' pickled size, once per rank it
+goes to, under the endpoint's name.
 
 The size is counted without a copy (:func:`pickled_size`): the arguments are pickled into a sink
 that keeps only lengths, the buffers of protocol 5 (``PickleBuffer``) out of band and measured
