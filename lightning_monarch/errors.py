@@ -56,8 +56,9 @@ class MeshFailureError(RuntimeError):
 
 
 class HostsLostError(MeshFailureError):
-    """Hosts of the mesh were lost: their workers died and no new process started on them within
-    ``MonarchStrategy(connect_timeout=...)``. ``hosts`` names them by their place among the
+    """Hosts of the mesh were lost: their workers died, and their worker address refuses
+    connections or no new process started on them within ``MonarchStrategy(connect_timeout=...)``.
+    ``hosts`` names them by their place among the
     ``num_hosts`` hosts the mesh started on (the order of ``MonarchStrategy(hosts=...)``). Under
     ``MonarchStrategy(min_nodes=...)`` a ``fit`` goes on without them while enough hosts remain
     (``controller.features.elastic``); otherwise this is the error the run ends with."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import suppress
@@ -24,6 +26,7 @@ from monarch.job import ProcessJob
 
 from lightning_monarch import HostsLostError, MonarchFSDPStrategy, MonarchStrategy, stop_meshes
 from lightning_monarch.controller.features.elastic import ACCUMULATION_METRIC, WORLD_SIZE_METRIC, ElasticFit
+from lightning_monarch.controller.mesh.hosts import LostHostCheck, refuses
 from lightning_monarch.controller.mesh.world import surviving_positions
 from lightning_monarch.specs import WorldSpec
 from lightning_monarch.worker.process import torch_elastic_env
@@ -38,13 +41,17 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The step in epoch 2 (6 steps an epoch) at which the controller's loop kills host 1.
 KILL_AT_STEP = 15
+#: ``MonarchStrategy(connect_timeout=...)`` of the elastic runs: how long a dead worker's host has
+#: to serve a new process, unless its worker address refuses connections.
+CONNECT_TIMEOUT_S = 10
 
 
 class KillHost(L.Callback):
     """SIGKILLs, from the controller, worker ``rank`` and its host process, whose ID ``host`` gives,
     with every process the host started (it runs in a session of its own), when ``global_step``
-    reaches ``step``; records the workers' process IDs then, in the smaller world, and at the end;
-    and once the run goes on in the smaller world, calls ``then``."""
+    reaches ``step``; records the workers' process IDs then, in the smaller world, and at the end,
+    and the seconds from the kill to the smaller world's first step; and once the run goes on in
+    the smaller world, calls ``then``."""
 
     def __init__(
         self, rank: int, host: Callable[[], int], step: int, then: Optional[Callable[[], None]] = None
@@ -53,16 +60,20 @@ class KillHost(L.Callback):
         self.pids_before: Optional[list[int]] = None
         self.pids_smaller: Optional[list[int]] = None
         self.pids_at_end: Optional[list[int]] = None
+        self.killed_at = 0.0
+        self.seconds_to_smaller: Optional[float] = None
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self.pids_before is None and trainer.global_step == self.step:
             self.pids_before = trainer.strategy.worker_pids
             worker = self.pids_before[self.rank]
+            self.killed_at = time.monotonic()
             os.killpg(self.host(), signal.SIGKILL)
             with suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGKILL)
         elif self.pids_smaller is None and trainer.strategy.num_nodes == 1:
             self.pids_smaller = trainer.strategy.worker_pids
+            self.seconds_to_smaller = time.monotonic() - self.killed_at
             if self.then is not None:
                 self.then()
 
@@ -108,7 +119,7 @@ def _fit_elastic(
     strategy = MonarchStrategy(
         hosts=hosts,
         min_nodes=1,
-        connect_timeout=10,
+        connect_timeout=CONNECT_TIMEOUT_S,
         worker_callbacks=list(worker_callbacks),
         max_restarts=max_restarts,
     )
@@ -167,6 +178,8 @@ def test_a_fit_that_loses_a_host_ends_as_ddp_stopped_at_the_resume_point_and_res
     assert killer.pids_smaller == killer.pids_before[:1] == [survivor.killed]  # host 0's worker went on
     assert len(killer.pids_at_end) == 1 and killer.pids_at_end[0] != survivor.killed  # a new process on host 0
     assert strategy.world_changes == 1 and strategy.restarts == 1
+    # a job's worker addresses are not known here: only the connect timeout tells the host is lost
+    assert killer.seconds_to_smaller is not None and killer.seconds_to_smaller >= CONNECT_TIMEOUT_S
     assert strategy.num_nodes == 2 and trainer.accumulate_grad_batches == 1
     (change,) = changes
     assert "lost host(s) [1] of 2 (worker ranks [1]); training goes on with 1 worker(s) on 1 host(s)" in change
@@ -196,6 +209,8 @@ def test_a_host_back_at_the_same_address_is_refused_by_monarch_and_the_run_goes_
     refused = [record.getMessage() for record in caplog.records if "accepts a connection again" in record.getMessage()]
     assert len(refused) == 1 and hosts[1].address in refused[0] and "serve it at a new address" in refused[0]
     assert strategy.world_changes == 1 and len(changes) == 1
+    # the killed host's address refused connections: lost at once, without the connect timeout
+    assert killer.seconds_to_smaller is not None and killer.seconds_to_smaller < CONNECT_TIMEOUT_S
     _assert_same_run(ours, reference, tmp_path)
 
 
@@ -226,6 +241,7 @@ def test_a_lost_host_that_serves_again_rejoins_at_the_next_epoch_as_ddp_resumed_
     assert killer.pids_before is not None and killer.pids_at_end is not None
     assert killer.pids_smaller == killer.pids_at_end[:1] == killer.pids_before[:1]  # host 0's worker throughout
     assert killer.pids_at_end[1] not in killer.pids_before  # host 1's new worker
+    assert killer.seconds_to_smaller is not None and killer.seconds_to_smaller < CONNECT_TIMEOUT_S
     assert strategy.world_changes == 2
     shrunk, grown = changes
     assert "from the start of epoch 2 (global step 12)" in shrunk
@@ -305,7 +321,9 @@ def test_a_fit_with_fewer_hosts_left_than_min_nodes_fails_naming_them(tmp_path: 
             tmp_path, strategy, [KillHost(rank=1, host=lambda: process_job_host(1), step=3)], devices=1, num_nodes=2
         )
         with pytest.raises(
-            HostsLostError, match=r"Host\(s\) \[1\] of the 2 .* fewer than `MonarchStrategy\(min_nodes=2\)`"
+            HostsLostError,
+            match=r"Host\(s\) \[1\] of the 2 the workers started on were lost: no new process started on \[1\] within"
+            r" 5 s .* fewer than `MonarchStrategy\(min_nodes=2\)`",
         ):
             trainer.fit(Classifier())
     finally:
@@ -337,6 +355,19 @@ def test_a_preemption_notice_that_leaves_fewer_hosts_than_min_nodes_fails_naming
         for host in hosts:
             host.stop()
     assert not worker_processes()
+
+
+def test_a_host_is_lost_at_once_where_its_worker_address_refuses_connections(tmp_path: Path) -> None:
+    """Nothing listens there any more: the host process is gone (Monarch refuses a host restarted at
+    an address it talked to, so waiting for one there cannot help). A listening address, and one
+    that is not a worker address, are left to the connect timeout."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        listening = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+        addresses = [listening, f"ipc://{tmp_path / 'gone'}", "not-an-address"]
+        check = LostHostCheck(CONNECT_TIMEOUT_S, lambda: addresses)
+        assert not refuses(listening) and check.refused_slots() == {1}
+    assert refuses(listening) and check.refused_slots() == {0, 1}
+    assert LostHostCheck(CONNECT_TIMEOUT_S, lambda: None).refused_slots() == set()
 
 
 def test_the_surviving_hosts_of_a_part_are_the_longest_range_of_live_ones() -> None:

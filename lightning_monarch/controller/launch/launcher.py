@@ -249,7 +249,7 @@ class MonarchLauncher(lightning_compat.Launcher):
             spec,
             strategy.max_restarts,
             snapshots,
-            lost_host_timeout=strategy.connect_timeout if elastic is not None else None,
+            lost_hosts=elastic.lost_host_check() if elastic is not None else None,
             shared_memory=strategy.shared_memory,
         )
         try:

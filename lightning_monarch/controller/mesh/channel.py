@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from lightning_monarch.codec import pack
 from lightning_monarch.controller.loop.checkpoints import SnapshotDirectory
+from lightning_monarch.controller.mesh.hosts import LostHostCheck
 from lightning_monarch.controller.mesh.worker_mesh import Message, WorkerMesh, by_rank
 from lightning_monarch.errors import DivergenceError, HostsLostError, MeshFailureError, WorkerError, WorkerTimeoutError
 from lightning_monarch.protocol import Entry, Release
@@ -37,17 +38,17 @@ class StageChannel:
         spec: StageSpec,
         max_restarts: int = 0,
         snapshots: Optional[SnapshotDirectory] = None,
-        lost_host_timeout: Optional[float] = None,
+        lost_hosts: Optional[LostHostCheck] = None,
         shared_memory: bool = True,
     ) -> None:
         """``shared_memory``: the stage's storages may travel through this host's shared memory
         (``WorkerMesh.start_stage``). With ``max_restarts`` > 0, a dead or hung worker is replaced up to that many times, from
         the last snapshot: in this process's memory, or for a sharded module, in ``snapshots``,
-        where every rank writes its shards. With ``lost_host_timeout`` (elastic training), a dead
-        worker's host that does not serve a new process within that many seconds counts as lost:
-        ``HostsLostError`` then names it, for the launcher to go on without it."""
+        where every rank writes its shards. With ``lost_hosts`` (elastic training), a dead worker's
+        host that it finds lost (its address refuses connections, or it serves no new process in
+        time) makes ``HostsLostError`` name it, for the launcher to go on without it."""
         self.mesh = mesh
-        self._lost_host_timeout = lost_host_timeout
+        self._lost_hosts = lost_hosts
         self._shared_memory = shared_memory
         # a recovery sends the stage's storages again, to new processes, after the controller's
         # loop may have changed its module (Lightning loads ``ckpt_path`` into it): a copy of them
@@ -199,14 +200,24 @@ class StageChannel:
     def _raise_if_hosts_lost(self, failure: MeshFailureError) -> None:
         """With elastic training, raise ``HostsLostError`` if a dead worker's host is gone (a hung
         worker's host is not: it answered that its process lives)."""
-        if self._lost_host_timeout is None or isinstance(failure, WorkerTimeoutError):
+        check = self._lost_hosts
+        if check is None or isinstance(failure, WorkerTimeoutError):
             return
-        lost = self.mesh.lost_hosts(self._lost_host_timeout)
+        refused = check.refused_slots()
+        lost = self.mesh.lost_hosts(check.timeout, refused)
         if lost:
+            refusing, waited = (
+                [slot for slot in lost if slot in refused],
+                [slot for slot in lost if slot not in refused],
+            )
+            reasons = [f"the worker address of {refusing} refuses connections"] if refusing else []
+            if waited:
+                reasons.append(
+                    f"no new process started on {waited} within {check.timeout:g} s (`MonarchStrategy(connect_timeout=...)`)"
+                )
             raise HostsLostError(
-                f"Host(s) {lost} of the {self.mesh.num_slots} the workers started on were lost: no new"
-                f" process started there within {self._lost_host_timeout:g} s"
-                f" (`MonarchStrategy(connect_timeout=...)`). {failure}",
+                f"Host(s) {lost} of the {self.mesh.num_slots} the workers started on were lost:"
+                f" {'; '.join(reasons)}. {failure}",
                 failure.ranks,
                 tuple(lost),
                 self.mesh.num_slots,

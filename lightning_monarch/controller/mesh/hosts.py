@@ -21,7 +21,8 @@ import re
 import shutil
 import socket
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -287,20 +288,48 @@ def _location(address: str) -> Optional[tuple[str, str, str]]:
     return scheme, host.strip("[]"), port
 
 
-def reachable(address: str, timeout: float = 2.0) -> bool:
-    """Whether a worker address accepts a connection: a TCP connect for ``tcp://host:port``, the
-    socket file for ``ipc://path``."""
+def _dial(address: str, timeout: float) -> Optional[Exception]:
+    """Dial a worker address: ``None`` if it accepts a connection (a TCP connect for
+    ``tcp://host:port``, the socket file for ``ipc://path``), else why not."""
     location = _location(address)
     if location is None:
-        return False
+        return ValueError(f"not a worker address: {address!r}")
     scheme, host, port = location
     if scheme == "ipc":
-        return Path(host).exists()
+        return None if Path(host).exists() else FileNotFoundError(host)
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):
-            return True
-    except (OSError, ValueError):
-        return False
+            return None
+    except (OSError, ValueError) as error:
+        return error
+
+
+def reachable(address: str, timeout: float = 2.0) -> bool:
+    """Whether a worker address accepts a connection."""
+    return _dial(address, timeout) is None
+
+
+def refuses(address: str, timeout: float = 2.0) -> bool:
+    """Whether a worker address refuses a connection outright: its host answers that nothing
+    listens on the port (or no socket file is at the ``ipc://`` path), so the host process that
+    served it is gone. A host that does not answer at all (cut off, or busy) is not known gone."""
+    return isinstance(_dial(address, timeout), (ConnectionRefusedError, FileNotFoundError))
+
+
+@dataclass(frozen=True)
+class LostHostCheck:
+    """How an elastic ``fit`` tells that a dead worker's host is lost (``StageChannel``): its
+    worker address refuses a connection, or it does not serve a new process within ``timeout``
+    seconds (``MonarchStrategy(connect_timeout=...)``). ``addresses`` gives the hosts' worker
+    addresses now, by slot (``worker_addresses``), or ``None`` where they are not known (a Monarch
+    job, a ``HostMesh``): then only the timeout tells."""
+
+    timeout: float
+    addresses: Callable[[], Optional[list[str]]]
+
+    def refused_slots(self) -> set[int]:
+        """The slots whose worker address refuses a connection now."""
+        return {slot for slot, address in enumerate(self.addresses() or []) if refuses(address)}
 
 
 def host_count(mesh: HostMesh) -> int:

@@ -355,13 +355,12 @@ class WorkerMesh:
         """How many hosts the mesh started on."""
         return host_count(self._hosts)
 
-    def lost_hosts(self, timeout: float) -> list[int]:
-        """The slots of the hosts that do not serve a new process within ``timeout`` seconds: their
-        host process is gone, not only a worker. Every host is asked, at once (a live one answers in
-        a second or two): a death on another host is named by Monarch's report in the coordinates of
-        the mesh the worker started in, which after a world change are not its rank's."""
+    def lost_hosts(self, timeout: float, refused: set[int]) -> list[int]:
+        """The slots of the hosts whose host process is gone, not only a worker: those in
+        ``refused`` (their worker address refuses connections) and those that do not serve a new
+        process within ``timeout`` seconds (``WorkerWorld.lost_slots``)."""
         assert self._world is not None
-        lost = self._world.lost_slots(timeout, _STOP_TIMEOUT_S)
+        lost = self._world.lost_slots(timeout, _STOP_TIMEOUT_S, refused)
         self._lost = self._lost or bool(lost)
         return lost
 

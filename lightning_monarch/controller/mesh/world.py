@@ -147,14 +147,17 @@ class WorkerWorld:
             origin[host_label(part.hosts)] = part.slots.index(first)
         return Counted(part.workers.slice(**origin), 1, self._sent)
 
-    def lost_slots(self, timeout: float, stop_timeout: float) -> list[int]:
+    def lost_slots(self, timeout: float, stop_timeout: float, refused: set[int]) -> list[int]:
         """The slots of the hosts that do not serve a new process within ``timeout`` seconds: their
-        host process is gone, not only a worker. Every host is asked, at once (a live one answers in
-        a second or two): a death on another host is named by Monarch's report in the coordinates of
-        the mesh the worker started in, which after a world change are not its rank's."""
-        probes = {slot: self.hosts_of(slot).spawn_procs(per_host={LOCAL_DIMENSION: 1}) for slot in self.slots}
+        host process is gone, not only a worker. The slots in ``refused`` (their worker address
+        refuses connections) are lost without waiting. Every other host is asked, at once (a live
+        one answers in a second or two): a death on another host is named by Monarch's report in
+        the coordinates of the mesh the worker started in, which after a world change are not its
+        rank's."""
+        asked = [slot for slot in self.slots if slot not in refused]
+        probes = {slot: self.hosts_of(slot).spawn_procs(per_host={LOCAL_DIMENSION: 1}) for slot in asked}
         deadline = time.monotonic() + timeout
-        lost = []
+        lost = [slot for slot in self.slots if slot in refused]
         for slot, probe in probes.items():
             try:
                 probe.initialized.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -165,7 +168,7 @@ class WorkerWorld:
                 probe.stop().get(timeout=stop_timeout)
             except Exception as error:
                 log.warning("Stopping the process that showed host %d lives failed: %s", slot, error)
-        return lost
+        return sorted(lost)
 
     def join(self) -> None:
         """Give every worker the torch elastic environment of this world: ``RANK`` in slot order,
