@@ -5,9 +5,10 @@
 Each case runs in a fresh process; the figures go to ``benchmarks/results/elastic.json``,
 ``elastic.md`` and ``elastic.png``. From the death to the next finished training step:
 
-- ``monarch, min_nodes=1``: host 1's host process and worker SIGKILLed; the controller waits
-  ``connect_timeout`` for a new process there, then goes on with host 0's worker (kept) from the
-  resume point at the epoch's start;
+- ``monarch, min_nodes=1``: host 1's host process and worker SIGKILLed; the controller finds
+  that host's socket refusing connections (lost at once, without waiting ``connect_timeout`` for
+  a new process there) and goes on with host 0's worker (kept) from the resume point at the
+  epoch's start;
 - ``monarch, min_nodes=1, preemption notice``: hosts served by ``lightning-monarch serve``; host
   1's host process and worker get SIGTERM, the notice a preemptible host gets before it is taken:
   the workers park at the end of their next optimizer step, and the controller goes on with host
@@ -111,8 +112,8 @@ def main() -> None:
     (RESULTS / "elastic.json").write_text(json.dumps(results, indent=2))
     rows = [
         (
-            f"monarch, `min_nodes=1`: host lost, going on with 1 worker (of which {CONNECT_TIMEOUT_S:g} s is"
-            " `connect_timeout`, waiting for the lost host)",
+            "monarch, `min_nodes=1`: host lost (its socket refuses connections, so no `connect_timeout` wait),"
+            " going on with 1 worker",
             results["monarch_shrink"]["resumed_s"],
             redone["monarch_shrink"],
         ),

@@ -76,12 +76,16 @@ def test_every_private_torch_and_python_name_exists() -> None:
 
 def test_every_private_monarch_name_exists() -> None:
     from monarch.actor import this_host
-    from monarch.job import SlurmJob
+    from monarch.job import ProcessJob, SlurmJob
 
     assert issubclass(monarch_compat.SupervisionError, Exception)
     procs = this_host().spawn_procs(per_host={"procs": 1})
     try:
-        objects = {"SlurmJob": SlurmJob(meshes={"workers": 1}), "ProcMesh": procs}
+        objects = {
+            "SlurmJob": SlurmJob(meshes={"workers": 1}),
+            "ProcessJob": ProcessJob({"hosts": 1}),
+            "ProcMesh": procs,
+        }
         assert not _missing(objects, monarch_compat.PRIVATE_NAMES), f"checked with {monarch_compat.CHECKED_WITH}"
         assert monarch_compat.runtime_exit_handler() is not None  # what controller.interpreter_exit runs
         assert monarch_compat.ACTOR_THREADS[0] in {thread.name for thread in threading.enumerate()}

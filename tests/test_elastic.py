@@ -178,8 +178,8 @@ def test_a_fit_that_loses_a_host_ends_as_ddp_stopped_at_the_resume_point_and_res
     assert killer.pids_smaller == killer.pids_before[:1] == [survivor.killed]  # host 0's worker went on
     assert len(killer.pids_at_end) == 1 and killer.pids_at_end[0] != survivor.killed  # a new process on host 0
     assert strategy.world_changes == 1 and strategy.restarts == 1
-    # a job's worker addresses are not known here: only the connect timeout tells the host is lost
-    assert killer.seconds_to_smaller is not None and killer.seconds_to_smaller >= CONNECT_TIMEOUT_S
+    # the killed host's socket refused connections: lost at once, without the connect timeout
+    assert killer.seconds_to_smaller is not None and killer.seconds_to_smaller < CONNECT_TIMEOUT_S
     assert strategy.num_nodes == 2 and trainer.accumulate_grad_batches == 1
     (change,) = changes
     assert "lost host(s) [1] of 2 (worker ranks [1]); training goes on with 1 worker(s) on 1 host(s)" in change
@@ -322,8 +322,8 @@ def test_a_fit_with_fewer_hosts_left_than_min_nodes_fails_naming_them(tmp_path: 
         )
         with pytest.raises(
             HostsLostError,
-            match=r"Host\(s\) \[1\] of the 2 the workers started on were lost: no new process started on \[1\] within"
-            r" 5 s .* fewer than `MonarchStrategy\(min_nodes=2\)`",
+            match=r"Host\(s\) \[1\] of the 2 the workers started on were lost: the worker address of \[1\] refuses"
+            r" connections\. .* fewer than `MonarchStrategy\(min_nodes=2\)`",
         ):
             trainer.fit(Classifier())
     finally:
@@ -361,12 +361,16 @@ def test_a_host_is_lost_at_once_where_its_worker_address_refuses_connections(tmp
     """Nothing listens there any more: the host process is gone (Monarch refuses a host restarted at
     an address it talked to, so waiting for one there cannot help). A listening address, and one
     that is not a worker address, are left to the connect timeout."""
+    stale = tmp_path / "stale"  # a Unix socket whose process is gone: the file stays
+    with socket.socket(socket.AF_UNIX) as ended:
+        ended.bind(str(stale))
+        ended.listen()
     with socket.create_server(("127.0.0.1", 0)) as server:
         listening = f"tcp://127.0.0.1:{server.getsockname()[1]}"
-        addresses = [listening, f"ipc://{tmp_path / 'gone'}", "not-an-address"]
+        addresses = [listening, f"ipc://{tmp_path / 'gone'}", f"ipc://{stale}", "not-an-address"]
         check = LostHostCheck(CONNECT_TIMEOUT_S, lambda: addresses)
-        assert not refuses(listening) and check.refused_slots() == {1}
-    assert refuses(listening) and check.refused_slots() == {0, 1}
+        assert not refuses(listening) and check.refused_slots() == {1, 2}
+    assert refuses(listening) and check.refused_slots() == {0, 1, 2}
     assert LostHostCheck(CONNECT_TIMEOUT_S, lambda: None).refused_slots() == set()
 
 

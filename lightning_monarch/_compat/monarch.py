@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
     from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
     from monarch.actor import ProcMesh
-    from monarch.job import SlurmJob
+    from monarch.job import ProcessJob, SlurmJob
 
 __all__ = [
     "ACTOR_THREADS",
@@ -30,6 +30,7 @@ __all__ = [
     "flush_forwarded_output",
     "launched_by_monarch",
     "job_meshes",
+    "process_job_addresses",
     "runtime_exit_handler",
     "slurm_addresses",
     "slurm_gpus_per_node",
@@ -41,6 +42,7 @@ CHECKED_WITH = "torchmonarch 0.7"
 #: Every private attribute this module reads, by the class whose instances have it.
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "SlurmJob": ("_meshes", "_ntasks_per_node", "_gpus_per_node", "_port", "_all_hostnames"),
+    "ProcessJob": ("_meshes", "_host_to_pid"),
     "ProcMesh": ("_logging_manager",),
 }
 #: The names of the threads Monarch starts in a process that uses it as a client: its event loop,
@@ -97,6 +99,12 @@ def slurm_gpus_per_node(job: SlurmJob) -> Optional[int]:
 def slurm_addresses(job: SlurmJob) -> list[str]:
     """The workers' addresses of a running ``SlurmJob``: its allocated hostnames and port."""
     return [f"tcp://{hostname}:{job._port}" for hostname in job._all_hostnames]
+
+
+def process_job_addresses(job: ProcessJob, mesh: str) -> list[str]:
+    """The workers' addresses of a running ``ProcessJob``'s ``mesh``: each host process's Unix
+    socket, in the order of the mesh's hosts."""
+    return [job._host_to_pid[f"{mesh}_{index}"].channel for index in range(job._meshes[mesh])]
 
 
 async def flush_forwarded_output(procs: ProcMesh) -> None:

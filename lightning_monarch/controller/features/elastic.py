@@ -33,7 +33,13 @@ from monarch.actor import HostMesh
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.codec import pack
-from lightning_monarch.controller.mesh.hosts import LostHostCheck, host_mesh, reachable, worker_addresses
+from lightning_monarch.controller.mesh.hosts import (
+    LostHostCheck,
+    host_mesh,
+    known_addresses,
+    reachable,
+    worker_addresses,
+)
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.errors import HostsLostError, UnreachableHostsError
 from lightning_monarch.memory_files import MemoryFile
@@ -141,7 +147,7 @@ class ElasticFit:
     def lost_host_check(self) -> LostHostCheck:
         """How the stage's channel tells a lost host: the strategy's ``connect_timeout``, and the
         worker addresses its ``hosts`` names when the check runs."""
-        return LostHostCheck(self._strategy.connect_timeout, lambda: worker_addresses(self._strategy.hosts))
+        return LostHostCheck(self._strategy.connect_timeout, lambda: known_addresses(self._strategy.hosts))
 
     def at_resume_point(self, trainer: Trainer) -> None:
         """Runs at each snapshot gate, where the workers wait: keep the resume point; raise

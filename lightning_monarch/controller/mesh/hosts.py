@@ -23,7 +23,6 @@ import socket
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 import psutil
@@ -177,10 +176,22 @@ def _check_slurm_job(job: SlurmJob, gpus_per_host: int) -> None:
 
 def _job_addresses(job: Any) -> list[str]:
     """The workers' addresses of a job whose hosts are known once it runs (``SlurmJob``: its
-    allocated hostnames and port), for naming the ones that do not connect; empty otherwise."""
+    allocated hostnames and port; ``ProcessJob``: its host processes' sockets), in the order of its
+    hosts; empty otherwise."""
     if isinstance(job, SlurmJob):
         return monarch_compat.slurm_addresses(job)
+    if isinstance(job, ProcessJob):
+        return monarch_compat.process_job_addresses(job, HOSTS_MESH)
     return []
+
+
+def known_addresses(hosts: Any) -> Optional[list[str]]:
+    """The worker addresses of ``MonarchStrategy(hosts=...)`` by slot, where they are known now:
+    the list, what a function returns, a running ``SlurmJob``'s or ``ProcessJob``'s; ``None`` for
+    a ``HostMesh`` or another job."""
+    if callable(getattr(hosts, "state", None)):
+        return _job_addresses(hosts) or None
+    return worker_addresses(hosts)
 
 
 def wait_for_hosts(mesh: HostMesh, addresses: list[str], timeout: float) -> None:
@@ -289,19 +300,23 @@ def _location(address: str) -> Optional[tuple[str, str, str]]:
 
 
 def _dial(address: str, timeout: float) -> Optional[Exception]:
-    """Dial a worker address: ``None`` if it accepts a connection (a TCP connect for
-    ``tcp://host:port``, the socket file for ``ipc://path``), else why not."""
+    """Dial a worker address (``tcp://host:port``, or the Unix socket of ``ipc://path``): ``None``
+    if it accepts a connection, else why not."""
     location = _location(address)
     if location is None:
         return ValueError(f"not a worker address: {address!r}")
     scheme, host, port = location
-    if scheme == "ipc":
-        return None if Path(host).exists() else FileNotFoundError(host)
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return None
+        if scheme == "ipc":
+            with socket.socket(socket.AF_UNIX) as connection:
+                connection.settimeout(timeout)
+                connection.connect(host)
+        else:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                pass
     except (OSError, ValueError) as error:
         return error
+    return None
 
 
 def reachable(address: str, timeout: float = 2.0) -> bool:
@@ -310,9 +325,9 @@ def reachable(address: str, timeout: float = 2.0) -> bool:
 
 
 def refuses(address: str, timeout: float = 2.0) -> bool:
-    """Whether a worker address refuses a connection outright: its host answers that nothing
-    listens on the port (or no socket file is at the ``ipc://`` path), so the host process that
-    served it is gone. A host that does not answer at all (cut off, or busy) is not known gone."""
+    """Whether a worker address refuses a connection outright: nothing listens on its port or
+    Unix socket (or no socket is at its ``ipc://`` path), so the host process that served it is
+    gone. A host that does not answer at all (cut off, or busy) is not known gone."""
     return isinstance(_dial(address, timeout), (ConnectionRefusedError, FileNotFoundError))
 
 
@@ -321,8 +336,8 @@ class LostHostCheck:
     """How an elastic ``fit`` tells that a dead worker's host is lost (``StageChannel``): its
     worker address refuses a connection, or it does not serve a new process within ``timeout``
     seconds (``MonarchStrategy(connect_timeout=...)``). ``addresses`` gives the hosts' worker
-    addresses now, by slot (``worker_addresses``), or ``None`` where they are not known (a Monarch
-    job, a ``HostMesh``): then only the timeout tells."""
+    addresses now, by slot (``known_addresses``), or ``None`` where they are not known (a
+    ``HostMesh``, a job other than ``SlurmJob`` and ``ProcessJob``): then only the timeout tells."""
 
     timeout: float
     addresses: Callable[[], Optional[list[str]]]
