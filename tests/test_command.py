@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_monarch import cli
 from lightning_monarch.benchmark.compare import Comparison
 from lightning_monarch.devices import VISIBILITY_VARS
+from lightning_monarch.specs import versions
 from tests.conftest import ROOT
 
 COMMAND = str(Path(sys.executable).parent / "lightning-monarch")
@@ -196,6 +197,7 @@ def test_preflight_checks_every_worker_and_stops_them() -> None:
     header = next(index for index, line in enumerate(lines) if line.startswith("host "))
     rows = [line.split() for line in lines[header + 1 :]]
     assert [row[1] for row in rows] == ["0", "1"], done.stdout
+    assert all(row[3] == "cpu" and row[5] == versions()["torch"] for row in rows), done.stdout
     pids = [int(row[2]) for row in rows]
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -16,7 +14,7 @@ import pytest
 import torch
 
 from lightning_monarch import MeshFailureError, WorkerError
-from tests.conftest import ROOT, worker_processes
+from tests.conftest import worker_processes
 from tests.models import Classifier
 
 pytestmark = pytest.mark.timeout(120)
@@ -179,47 +177,3 @@ def test_ddps_own_fix_is_given_in_monarch_terms() -> None:
     fixed = trainer("monarch_find_unused_parameters_true")
     fixed.fit(UnusedHeadClassifier())
     assert fixed.global_step == 3
-
-
-KILLED_CONTROLLER = """
-import time
-import lightning as L
-import lightning_monarch
-from tests.models import Classifier
-
-
-class Slow(Classifier):
-    def training_step(self, batch, batch_idx):
-        time.sleep(0.1)
-        return super().training_step(batch, batch_idx)
-
-
-class Announce(L.Callback):
-    def on_train_start(self, trainer, pl_module):
-        print("workers", *trainer.strategy.worker_pids, flush=True)
-
-
-L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1000, logger=False, enable_progress_bar=False,
-          enable_checkpointing=False, callbacks=[Announce()]).fit(Slow())
-"""
-
-
-def test_a_killed_controller_leaves_no_worker() -> None:
-    """SIGKILL of the controller in the middle of ``fit``: nothing runs its teardown, and its worker
-    processes must still end (found by the run's marker, which they inherit, even re-parented)."""
-    controller = subprocess.Popen(
-        [sys.executable, "-c", KILLED_CONTROLLER], cwd=ROOT, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        line = next(line for line in controller.stdout if line.startswith("workers"))
-        pids = [int(pid) for pid in line.split()[1:]]
-        time.sleep(1)  # in the middle of training
-        assert {process.pid for process in worker_processes()} >= set(pids)
-    finally:
-        controller.kill()
-        controller.wait()
-    killed_at = time.monotonic()
-    while any(process.pid in pids for process in worker_processes()) and time.monotonic() - killed_at < 10:
-        time.sleep(0.1)
-    print(f"the workers of a killed controller ended within {time.monotonic() - killed_at:.2f} s")
-    assert not [process.pid for process in worker_processes() if process.pid in pids]

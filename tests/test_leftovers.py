@@ -1,6 +1,6 @@
-"""Crashes leave nothing behind: a controller killed with SIGKILL at each moment of a stage, and a
-served host killed so, leave no file of ours in shared memory or in the temporary directory
-(``lightning_monarch.memory_files``), once their worker processes are gone."""
+"""Crashes leave nothing behind: a controller killed with SIGKILL at each moment of a stage leaves
+no worker process, and it and a served host killed so leave no file of ours in shared memory or in
+the temporary directory (``lightning_monarch.memory_files``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -106,19 +107,31 @@ def _wait_for_moment(controller: subprocess.Popen, moment: str) -> None:
     raise AssertionError("the stage's storages never left the controller")
 
 
-def _left_after(kill: subprocess.Popen, scratch: Path, before: set[Path]) -> list[str]:
-    """SIGKILL ``kill``; once every worker process it started is gone, what of ours is left in
-    shared memory and in ``scratch`` (its temporary directory) that was not there ``before``. A
-    name another test made at the same time and removes a moment later does not count."""
-    started = {process.pid for process in worker_processes()}
+def _left_after(kill: subprocess.Popen, scratch: Path, before: set[Path], workers_before: set[int]) -> Leftovers:
+    """SIGKILL ``kill``; give the worker processes it started (those not in ``workers_before``) 15 s
+    to end, then what is left: of them, and of ours in shared memory and in ``scratch`` (its
+    temporary directory) that was not there ``before``. A name another test made at the same time
+    and removes a moment later does not count."""
+    started = {process.pid for process in worker_processes()} - workers_before
     kill.kill()
     kill.wait()
     killed_at = time.monotonic()
     while any(process.pid in started for process in worker_processes()) and time.monotonic() - killed_at < 15:
         time.sleep(0.1)
+    workers = sorted(process.pid for process in worker_processes() if process.pid in started)
     left = _ours([SHARED_MEMORY, scratch]) - before
     time.sleep(1)
-    return sorted(str(path) for path in left & _ours([SHARED_MEMORY, scratch]))
+    return Leftovers(sorted(str(path) for path in left & _ours([SHARED_MEMORY, scratch])), workers, len(started))
+
+
+@dataclass
+class Leftovers:
+    """What a killed controller left: files of ours, and the worker processes (of ``started``)
+    still running 15 s after the kill."""
+
+    files: list[str]
+    workers: list[int]
+    started: int
 
 
 @pytest.mark.parametrize("moment", ["shipping", "training", "replaced"])
@@ -129,6 +142,7 @@ def test_a_controller_killed_at_any_moment_of_a_stage_leaves_no_file(tmp_path: P
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     before = _ours([SHARED_MEMORY, scratch])
+    workers_before = {process.pid for process in worker_processes()}
     controller = subprocess.Popen(
         [sys.executable, "-c", KILLED_CONTROLLER, moment],
         cwd=ROOT,
@@ -142,9 +156,11 @@ def test_a_controller_killed_at_any_moment_of_a_stage_leaves_no_file(tmp_path: P
         controller.kill()
         controller.wait()
         raise
-    left = _left_after(controller, scratch, before)
-    print(f"files of ours left after SIGKILL of the controller ({moment}): {len(left)}")
-    assert not left
+    left = _left_after(controller, scratch, before, workers_before)
+    print(f"files of ours left after SIGKILL of the controller ({moment}): {len(left.files)}")
+    assert not left.files
+    # nothing ran the controller's teardown: its workers end by themselves, even re-parented
+    assert left.started >= 2 and not left.workers
 
 
 def test_a_killed_served_host_leaves_no_file(tmp_path: Path) -> None:
