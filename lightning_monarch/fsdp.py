@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
-from lightning_monarch.controller.launch import arguments
+from lightning_monarch.controller import arguments
 from lightning_monarch.model_parallel import MonarchModelParallelStrategy
 from lightning_monarch.specs import ShardingSpec
 

@@ -30,15 +30,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.controller.launch import arguments
+from lightning_monarch.controller import arguments
 from lightning_monarch.controller.loop.checkpoints import (
     METADATA_FILENAME,
-    SnapshotDirectory,
     check_module_keys,
     is_sharded_checkpoint,
     prepare_directory,
 )
 from lightning_monarch.controller.mesh.pool import MESHES
+from lightning_monarch.controller.mesh.snapshots import SnapshotDirectory
 from lightning_monarch.specs import ShardingSpec
 from lightning_monarch.strategy import MonarchStrategy
 

@@ -142,7 +142,7 @@ class ResumePoint:
     ``checkpoint`` is rank 0's Lightning checkpoint (``torch.save`` bytes, packed as a ``Parcel``
     whose bytes travel once) under ``ddp``, and under ``MonarchFSDPStrategy`` the path of the sharded
     checkpoint directory that every rank wrote its shards into
-    (``controller.loop.checkpoints.SnapshotDirectory``)."""
+    (``controller.mesh.snapshots.SnapshotDirectory``)."""
 
     checkpoint: Union[Parcel, str]
     ranks: tuple[RankSnapshot, ...]

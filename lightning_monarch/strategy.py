@@ -24,16 +24,17 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch.controller import arguments
 from lightning_monarch.controller.features.rehearsal import RehearsalReport
-from lightning_monarch.controller.launch import arguments, configuration
+from lightning_monarch.controller.launch import configuration
 from lightning_monarch.controller.launch.accelerator import WorkerGPUAccelerator
 from lightning_monarch.controller.launch.launcher import MonarchLauncher
 from lightning_monarch.controller.loop import collectives
 from lightning_monarch.controller.loop.attached import AttachedStage
-from lightning_monarch.controller.loop.checkpoints import SnapshotDirectory
 from lightning_monarch.controller.loop.mirrors import GradScalerMirror
 from lightning_monarch.controller.loop.session import StageSession
 from lightning_monarch.controller.mesh.pool import MeshKey
+from lightning_monarch.controller.mesh.snapshots import SnapshotDirectory
 from lightning_monarch.reports import RankStats
 from lightning_monarch.specs import ShardingSpec
 

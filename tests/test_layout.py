@@ -9,8 +9,8 @@ install step would have changed. ``tests/test_pytorch_lightning.py`` runs the sa
 
 In the source: imports run one way, from the strategies to the controller (no controller module
 but the install step imports a strategy at run time, no worker module imports the controller or a
-strategy, and no two modules import each other at run time), and no module is over 500 lines, no
-class over 400.
+strategy, and no two modules import each other at run time), the rooms of ``controller/`` are
+floors that import only down, and no module is over 500 lines, no class over 400.
 """
 
 from __future__ import annotations
@@ -73,14 +73,14 @@ def _modules(folder: str) -> list[Path]:
     return sorted((PACKAGE / folder).rglob("*.py"))
 
 
-def run_time_imports(source: str) -> list[tuple[int, str]]:
+def run_time_imports(source: str, for_types: bool = False) -> list[tuple[int, str]]:
     """The modules (and ``lightning_monarch.<Name>`` names) that ``source`` imports or reads at run
     time, at module level or inside a function, with their line; imports under
-    ``if TYPE_CHECKING:`` are for types only, and left out."""
+    ``if TYPE_CHECKING:`` are for types only, and left out unless ``for_types``."""
     tree = ast.parse(source)
     typing_only: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not for_types and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             typing_only.update(id(inner) for statement in node.body for inner in ast.walk(statement))
     found = []
     for node in ast.walk(tree):
@@ -135,6 +135,53 @@ def test_the_direction_check_finds_a_run_time_import_of_a_strategy(source: str) 
 def test_the_direction_check_leaves_type_checking_imports_alone() -> None:
     source = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from lightning_monarch.strategy import MonarchStrategy\n"
     assert strategy_imports(source) == []
+
+
+#: The rooms of ``controller/`` as floors, top first: a module imports its own floor and those below.
+FLOORS = ("launch", "loop", "features", "mesh")
+
+
+def upward_imports(floor: str, source: str) -> list[tuple[int, str]]:
+    """The imports of ``source``, a module on ``floor``, that reach a floor above it, those for
+    types included."""
+    above = [f"lightning_monarch.controller.{upper}" for upper in FLOORS[: FLOORS.index(floor)]]
+    return [
+        (line, name)
+        for line, name in run_time_imports(source, for_types=True)
+        if any(name == room or name.startswith(f"{room}.") for room in above)
+    ]
+
+
+def test_the_controllers_floors_import_only_down() -> None:
+    found = {
+        str(path.relative_to(PACKAGE)): upward_imports(floor, path.read_text())
+        for floor in FLOORS
+        for path in _modules(f"controller/{floor}")
+    }
+    assert {module: imports for module, imports in found.items() if imports} == {}
+
+
+@pytest.mark.parametrize(
+    ("floor", "source"),
+    [
+        ("mesh", "from lightning_monarch.controller.loop.checkpoints import SnapshotDirectory\n"),
+        ("features", "from lightning_monarch.controller.launch import arguments\n"),
+        ("loop", "def f():\n    import lightning_monarch.controller.launch.launcher\n"),
+        (
+            "mesh",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lightning_monarch.controller.features import elastic\n",
+        ),
+    ],
+)
+def test_the_floor_check_finds_an_import_from_above(floor: str, source: str) -> None:
+    assert upward_imports(floor, source)
+
+
+def test_the_floor_check_leaves_imports_from_below_alone() -> None:
+    assert not upward_imports(
+        "loop",
+        "from lightning_monarch.controller.mesh import channel\nfrom lightning_monarch.controller.features import stats\n",
+    )
 
 
 def test_no_worker_module_imports_the_controller_or_a_strategy() -> None:

@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_monarch import namespaces
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch._compat import loops as loops_compat
-from lightning_monarch.controller.launch import arguments
+from lightning_monarch.controller import arguments
 from lightning_monarch.errors import RehearsalError, WorkerError
 from lightning_monarch.reports import RankStats
 

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_monarch import namespaces
-from lightning_monarch.controller.launch import arguments
+from lightning_monarch.controller import arguments
 from lightning_monarch.reports import RankStats
 
 

@@ -19,8 +19,8 @@ import time
 from typing import Any, Optional
 
 from lightning_monarch.codec import pack
-from lightning_monarch.controller.loop.checkpoints import SnapshotDirectory
 from lightning_monarch.controller.mesh.hosts import LostHostCheck
+from lightning_monarch.controller.mesh.snapshots import SnapshotDirectory
 from lightning_monarch.controller.mesh.worker_mesh import Message, WorkerMesh, by_rank
 from lightning_monarch.errors import DivergenceError, HostsLostError, MeshFailureError, WorkerError, WorkerTimeoutError
 from lightning_monarch.protocol import Entry, Release
