@@ -10,7 +10,7 @@ holds the full weights) is that strategy's.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
@@ -64,6 +64,7 @@ class MonarchFSDPStrategy(MonarchModelParallelStrategy):
 
     strategy_name = "monarch_fsdp"
     _description = "Single-controller training on a PyTorch Monarch worker mesh, the module sharded with FSDP2"
+    _fixed_arguments: ClassVar[frozenset[str]] = frozenset(_LAYOUT)
 
     def __init__(
         self,
@@ -89,16 +90,6 @@ class MonarchFSDPStrategy(MonarchModelParallelStrategy):
             owner, "activation_checkpointing_policy", activation_checkpointing_policy
         )
         self.cpu_offload = arguments.flag(owner, "cpu_offload", cpu_offload)
-
-    @override
-    def _arguments(self) -> dict[str, Any]:
-        return {
-            **{name: value for name, value in super()._arguments().items() if name not in _LAYOUT},
-            "fsdp_policy": self.fsdp_policy,
-            "mixed_precision": self.mixed_precision,
-            "activation_checkpointing_policy": self.activation_checkpointing_policy,
-            "cpu_offload": self.cpu_offload,
-        }
 
     @property
     @override

@@ -117,17 +117,6 @@ class MonarchModelParallelStrategy(MonarchStrategy):
         self.timeout = timeout
         self.snapshot_dir = snapshot_dir
 
-    @override
-    def _arguments(self) -> dict[str, Any]:
-        return {
-            **super()._arguments(),
-            "data_parallel_size": self.data_parallel_size,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "save_distributed_checkpoint": self.save_distributed_checkpoint,
-            "timeout": self.timeout,
-            "snapshot_dir": self.snapshot_dir,
-        }
-
     @property
     def mesh_shape(self) -> tuple[int, int]:
         """The workers' device mesh: (data parallel, tensor parallel) sizes, ``"auto"`` resolved

@@ -42,6 +42,12 @@ from lightning_monarch.specs import ShardingSpec
 _DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
 #: How many batches the workers may run ahead of the controller's loop by default (R4).
 DEFAULT_MAX_AHEAD = 16
+#: The constructor's parameters that Lightning's accelerator connector gives, not the user.
+_LIGHTNING_PARAMETERS = frozenset(
+    {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+)
+#: The kinds of parameter a caller names.
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 #: Arguments of earlier versions' ``MonarchStrategy(parallelism="fsdp", ...)``, now
 #: ``MonarchFSDPStrategy``'s: given to ``MonarchStrategy``, they name it.
 _SHARDING_OPTIONS = (
@@ -133,6 +139,8 @@ class MonarchStrategy(ParallelStrategy):
         "ddp_monarch_find_unused_parameters_true": {"find_unused_parameters": True},
     }
     _description = "Single-controller training on a PyTorch Monarch worker mesh"
+    #: Parameters of a base's constructor that a subclass's constructor sets itself, and refuses.
+    _fixed_arguments: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(
         self,
@@ -256,24 +264,18 @@ class MonarchStrategy(ParallelStrategy):
         return configuration.mesh_key(self)
 
     def _arguments(self) -> dict[str, Any]:
-        """The arguments this strategy was made with, as its constructor takes them."""
-        return {
-            "hosts": self.hosts,
-            "connect_timeout": self.connect_timeout,
-            "aggregate_window_sec": self.aggregate_window_sec,
-            "process_group_backend": self.process_group_backend,
-            "worker_callbacks": self.worker_callbacks,
-            "max_restarts": self.max_restarts,
-            "snapshot_every_n_epochs": self.snapshot_every_n_epochs,
-            "min_nodes": self.min_nodes,
-            "keep_global_batch": self.keep_global_batch,
-            "step_timeout": self.step_timeout,
-            "max_ahead": self.max_ahead,
-            "keep_warm": self.keep_warm,
-            "shared_memory": self.shared_memory,
-            "rehearse": self.rehearse,
-            **self.ddp_kwargs,
-        }
+        """The arguments this strategy was made with, as its constructor takes them (a rehearsal
+        makes its twin from them): those :func:`_constructor_parameters` names, read from the
+        attributes of the same names, then ``ddp_kwargs``."""
+        names = _constructor_parameters(type(self))
+        missing = [name for name in names if not hasattr(self, name)]
+        if missing:
+            raise AttributeError(
+                f"`{type(self).__name__}({', '.join(f'{name}=...' for name in missing)})`: a rehearsal makes a copy of"
+                " the strategy from its constructor's arguments, read from the attributes of the same names. Keep each"
+                f" argument as one (`self.{missing[0]} = {missing[0]}`)."
+            )
+        return {**{name: getattr(self, name) for name in names}, **self.ddp_kwargs}
 
     @ParallelStrategy.precision_plugin.setter  # type: ignore[attr-defined]
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
@@ -452,3 +454,19 @@ class MonarchStrategy(ParallelStrategy):
         undo, self._undo_on_exception = self._undo_on_exception, None
         if undo is not None:
             undo()
+
+
+def _constructor_parameters(cls: type[MonarchStrategy]) -> list[str]:
+    """The named parameters of ``cls``'s constructor, and of each base's constructor that the one
+    below passes ``**kwargs`` on to, down to ``MonarchStrategy``'s; less what Lightning gives
+    (:data:`_LIGHTNING_PARAMETERS`) and what a subclass sets itself (``_fixed_arguments``)."""
+    names: list[str] = []
+    for base in cls.__mro__:
+        if "__init__" not in vars(base):
+            continue
+        parameters = list(inspect.signature(vars(base)["__init__"]).parameters.values())[1:]  # not ``self``
+        names += [parameter.name for parameter in parameters if parameter.kind in _NAMED]
+        if base is MonarchStrategy or all(parameter.kind is not parameter.VAR_KEYWORD for parameter in parameters):
+            break
+    left_out = _LIGHTNING_PARAMETERS | cls._fixed_arguments
+    return [name for name in names if name not in left_out]

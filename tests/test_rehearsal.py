@@ -227,6 +227,26 @@ def test_the_rehearsals_strategy_is_the_runs_without_restarts_or_elastic_trainin
     assert type(two_d_twin) is MonarchModelParallelStrategy and two_d_twin._arguments() == two_d._arguments()
 
 
+class KeepsItsArgument(MonarchStrategy):
+    def __init__(self, label: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.label = label
+
+
+class DropsItsArgument(MonarchStrategy):
+    def __init__(self, label: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+
+def test_a_subclass_argument_goes_to_the_twin_or_its_absence_is_named() -> None:
+    """The twin is made from the constructors' signatures: a user's subclass's own argument comes
+    along, and one the subclass did not keep as an attribute is named with the fix."""
+    twin = rehearsal_twin(KeepsItsArgument(label="run-7", max_ahead=2))
+    assert type(twin) is KeepsItsArgument and twin.label == "run-7" and twin.max_ahead == 2
+    with pytest.raises(AttributeError, match=r"`DropsItsArgument\(label=\.\.\.\)`: .* \(`self.label = label`\)"):
+        rehearsal_twin(DropsItsArgument(label="run-7"))
+
+
 def test_the_rehearsals_copies_leave_the_trainers_out() -> None:
     datamodule, trainer, earlier = ClassificationDataModule(), _trainer(), _trainer()
     datamodule.trainer = earlier  # attached by an earlier fit
