@@ -145,3 +145,6 @@ if __name__ == "__main__":
     # runs of one world size share the ranks' processes and their process group
     for run in sys.argv[2:]:
         run_reference(Path(sys.argv[1]), run)
+    # ended here, not by the interpreter's exit: left to it, a rank once aborted as it ended, after
+    # its results were saved ("terminate called without an active exception", SIGABRT)
+    torch.distributed.destroy_process_group()
