@@ -3,7 +3,7 @@
     python -m benchmarks.fed [--reps 3] [--steps 60]
 
 A library's training stream over a Python generator cannot travel to the workers; under
-``monarch`` the controller iterates it and feeds every rank each item (``lightning_monarch.fed``),
+``monarch`` the controller iterates it and feeds every rank each item (``lightning_monarch.wire.fed``),
 one round trip per rank and item. Each run (a fresh process: ``python -m benchmarks.fed --one
 MODE OUT``) trains the benchmark's medium model (a step of about 30 ms here, batches of 192 × 256
 floats, 196 KiB) on 2 CPU workers for ``--steps`` steps from such a stream, and times the steady

@@ -52,8 +52,8 @@ from lightning_monarch.benchmark.models import SIZES
 from lightning_monarch.controller.features import preflight
 from lightning_monarch.controller.features.rehearsal import DEFAULT_STEPS
 from lightning_monarch.devices import VISIBILITY_VARS, visibility
-from lightning_monarch.specs import versions
 from lightning_monarch.strategy import MonarchStrategy
+from lightning_monarch.wire.specs import versions
 
 PROG = "lightning-monarch"
 _GPU = ("gpu", "cuda")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from lightning_monarch.reports import WorkerFailure
+from lightning_monarch.wire.reports import WorkerFailure
 
 
 class WorkerError(RuntimeError):

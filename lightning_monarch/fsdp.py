@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_monarch.controller import arguments
 from lightning_monarch.model_parallel import MonarchModelParallelStrategy
-from lightning_monarch.specs import ShardingSpec
+from lightning_monarch.wire.specs import ShardingSpec
 
 #: ``MonarchModelParallelStrategy``'s arguments that ``MonarchFSDPStrategy`` fixes: one
 #: data-parallel dimension over every worker.

@@ -25,7 +25,7 @@ from typing import Any, Optional
 from monarch.actor import start_worker_loop_forever
 
 from lightning_monarch.memory_files import MemoryFile
-from lightning_monarch.specs import NOTICE_VARIABLE
+from lightning_monarch.wire.specs import NOTICE_VARIABLE
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from lightning_monarch.controller.loop.checkpoints import (
 )
 from lightning_monarch.controller.mesh.pool import MESHES
 from lightning_monarch.controller.mesh.snapshots import SnapshotDirectory
-from lightning_monarch.specs import ShardingSpec
 from lightning_monarch.strategy import MonarchStrategy
+from lightning_monarch.wire.specs import ShardingSpec
 
 #: ``MonarchStrategy``'s own arguments, which the sharded strategies pass on.
 _STRATEGY_ARGUMENTS = frozenset(inspect.signature(MonarchStrategy.__init__).parameters) - {"self", "ddp_kwargs"}

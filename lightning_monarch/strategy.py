@@ -35,8 +35,8 @@ from lightning_monarch.controller.loop.mirrors import GradScalerMirror
 from lightning_monarch.controller.loop.session import StageSession
 from lightning_monarch.controller.mesh.pool import MeshKey
 from lightning_monarch.controller.mesh.snapshots import SnapshotDirectory
-from lightning_monarch.reports import RankStats
-from lightning_monarch.specs import ShardingSpec
+from lightning_monarch.wire.reports import RankStats
+from lightning_monarch.wire.specs import ShardingSpec
 
 #: Keyword arguments of ``DistributedDataParallel`` that the workers' ``DDPStrategy`` passes on.
 _DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}

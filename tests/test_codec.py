@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_monarch.codec import decode, encode
 from lightning_monarch.controller.mesh.payload import pack_for_workers
-from lightning_monarch.protocol import Entry, LoggerCall
+from lightning_monarch.wire.codec import decode, encode
+from lightning_monarch.wire.protocol import Entry, LoggerCall
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -115,7 +115,7 @@ def test_an_abstract_class_sent_by_value_is_made_concrete_in_a_fresh_process(tmp
         [
             sys.executable,
             "-c",
-            "import sys; from lightning_monarch.codec import Parcel, open_parcel;"
+            "import sys; from lightning_monarch.wire.codec import Parcel, open_parcel;"
             " (problem,) = open_parcel(Parcel(open(sys.argv[1], 'rb').read()), []);"
             " print(problem.conditions['x']['problem'] is problem)",
             str(tmp_path / "parcel"),

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from hypothesis.extra import pandas as hpd
 
-from lightning_monarch.codec import OUT_OF_BAND_BYTES, Parcel, Shipment, decode, encode, open_parcel, pack
 from lightning_monarch.controller.mesh.payload import _ReferenceRecorder
 from lightning_monarch.controller.mesh.storages import copies, lacking
+from lightning_monarch.wire.codec import OUT_OF_BAND_BYTES, Parcel, Shipment, decode, encode, open_parcel, pack
 from lightning_monarch.worker.storages import WorkerStorages
 
 PROPERTIES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_monarch import cli
 from lightning_monarch.benchmark.compare import Comparison
 from lightning_monarch.devices import VISIBILITY_VARS
-from lightning_monarch.specs import versions
+from lightning_monarch.wire.specs import versions
 from tests.conftest import ROOT
 
 COMMAND = str(Path(sys.executable).parent / "lightning-monarch")

@@ -16,7 +16,7 @@ import pytest
 from lightning_monarch.controller.mesh import deaths
 from lightning_monarch.controller.mesh.watch import ProcessWatch
 from lightning_monarch.errors import MeshFailureError
-from lightning_monarch.reports import WorkerFailure
+from lightning_monarch.wire.reports import WorkerFailure
 
 RESET = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:34710: Connection reset by peer."
 

@@ -30,12 +30,12 @@ from monarch.actor import Actor, attach_to_workers, endpoint
 from monarch.job import ProcessJob
 
 from lightning_monarch._compat.monarch import failed_rank
-from lightning_monarch.codec import pack
 from lightning_monarch.controller.mesh.hosts import HOSTS_MESH
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.devices import pin
-from lightning_monarch.protocol import RunAhead
-from lightning_monarch.specs import PreflightSpec, StageSpec, TrainerConfig, versions
+from lightning_monarch.wire.codec import pack
+from lightning_monarch.wire.protocol import RunAhead
+from lightning_monarch.wire.specs import PreflightSpec, StageSpec, TrainerConfig, versions
 from tests.models import Classifier
 from tests.served_hosts import ServedHost
 

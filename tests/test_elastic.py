@@ -28,7 +28,7 @@ from lightning_monarch import HostsLostError, MonarchFSDPStrategy, MonarchStrate
 from lightning_monarch.controller.features.elastic import ACCUMULATION_METRIC, WORLD_SIZE_METRIC, ElasticFit
 from lightning_monarch.controller.mesh.hosts import LostHostCheck, refuses
 from lightning_monarch.controller.mesh.world import surviving_positions
-from lightning_monarch.specs import WorldSpec
+from lightning_monarch.wire.specs import WorldSpec
 from lightning_monarch.worker.process import torch_elastic_env
 from tests import elastic_runs
 from tests.conftest import worker_processes

@@ -1,5 +1,5 @@
 """Iterables that cannot travel to the workers: the controller iterates them for every rank
-(``lightning_monarch.fed``), or the error names the object, where it was handed to the Trainer and
+(``lightning_monarch.wire.fed``), or the error names the object, where it was handed to the Trainer and
 the fix. What it trains equals ``ddp`` bit for bit in the parity case ``generator_loaders``.
 
 Runs a real Trainer on the warm mesh of 2 CPU workers, or fails before any worker starts.

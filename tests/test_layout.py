@@ -234,6 +234,37 @@ def test_no_two_modules_import_each_other_at_run_time() -> None:
     assert import_cycles(circle) == [["a", "b", "c"]]  # the check finds one through a function's import
 
 
+def documented_modules(architecture: str) -> set[str]:
+    """The modules that the file tree of ``docs/architecture.md`` lists, as paths from the package's
+    parent (``lightning_monarch/wire/codec.py``): each line names a folder (``name/``) or a module
+    under the folder two spaces less indented above it."""
+    tree = architecture.split("## The file tree", 1)[1].split("```", 2)[1]
+    listed: set[str] = set()
+    path: list[str] = []
+    for line in tree.splitlines():
+        name = line.strip().split(" ", 1)[0]
+        if name.endswith(("/", ".py")):
+            path = [*path[: (len(line) - len(line.lstrip())) // 2], name.rstrip("/")]
+            if name.endswith(".py"):
+                listed.add("/".join(path))
+    return listed
+
+
+def test_the_docs_file_tree_lists_every_module_and_no_other() -> None:
+    package = {
+        str(path.relative_to(PACKAGE.parent))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "__init__.py" or path.parent == PACKAGE
+    }
+    listed = documented_modules((PACKAGE.parent / "docs" / "architecture.md").read_text())
+    assert (sorted(package - listed), sorted(listed - package)) == ([], [])
+
+
+def test_the_tree_reader_follows_the_indentation() -> None:
+    page = "## The file tree\n\n```\npkg/\n  a.py   one\n  sub/   two\n    b.py  three\n  c.py\n```\n"
+    assert documented_modules(page) == {"pkg/a.py", "pkg/sub/b.py", "pkg/c.py"}
+
+
 def test_no_module_over_500_lines_and_no_class_over_400() -> None:
     modules, classes = {}, {}
     for path in sorted(PACKAGE.rglob("*.py")):

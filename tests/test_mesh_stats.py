@@ -26,7 +26,7 @@ from lightning_monarch import MeshStatsMonitor, MonarchStrategy
 from lightning_monarch.controller.features.stats import StreakWatch, memory_bound, warn_missing_tools
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
-from lightning_monarch.reports import RankStats
+from lightning_monarch.wire.reports import RankStats
 from lightning_monarch.worker.stats import GpuSensors
 from tests.models import Classifier, WarmupClassifier
 from tests.parity_cases import SEED

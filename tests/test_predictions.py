@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_monarch.controller.loop.predictions import PredictionCollector
-from lightning_monarch.reports import PredictionShard
+from lightning_monarch.wire.reports import PredictionShard
 
 
 def _shards(output_of: Callable[[torch.Tensor], Any]) -> list[PredictionShard]:

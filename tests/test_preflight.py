@@ -9,8 +9,8 @@ import pytest
 import lightning_monarch.controller.features.preflight as preflight
 from lightning_monarch import PreflightError
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
-from lightning_monarch.reports import WorkerReport
-from lightning_monarch.specs import versions
+from lightning_monarch.wire.reports import WorkerReport
+from lightning_monarch.wire.specs import versions
 from lightning_monarch.worker.preflight import device_problem, rccl_warnings
 from tests.conftest import stray_workers
 from tests.models import Classifier

@@ -267,7 +267,9 @@ def test_a_module_of_the_other_namespace_gets_lightnings_own_error() -> None:
 
 
 def test_shared_modules_are_one_module_and_names_map_both_ways() -> None:
-    assert importlib.import_module("lightning_monarch.pl.codec") is importlib.import_module("lightning_monarch.codec")
+    assert importlib.import_module("lightning_monarch.pl.wire.codec") is importlib.import_module(
+        "lightning_monarch.wire.codec"
+    )
     assert importlib.import_module("lightning_monarch.pl._compat.monarch") is lightning_monarch._compat.monarch
     assert importlib.import_module("lightning_monarch.pl.errors") is lightning_monarch.errors
     for name in ("WorkerError", "MeshFailureError", "HostsLostError", "UnreachableHostsError", "DivergenceError"):

@@ -1,4 +1,4 @@
-"""The workers lead and the controller follows (R4-R6 in ``lightning_monarch.protocol``): how far they
+"""The workers lead and the controller follows (R4-R6 in ``lightning_monarch.wire.protocol``): how far they
 lead, where they wait (counted, not timed), and what a controller callback may not do where they
 do not wait. The parity suite (``tests/test_parity.py``) shows the results do not change."""
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
-from lightning_monarch.reports import RankValue, WorkerWarning
+from lightning_monarch.wire.reports import RankValue, WorkerWarning
 from lightning_monarch.worker.held_warnings import HeldWarnings
 from tests.conftest import ROOT
 

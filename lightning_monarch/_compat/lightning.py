@@ -31,7 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _TunerExitException
 from lightning.pytorch.utilities.types import LRSchedulerTypeTuple
 
-from lightning_monarch.specs import TrainerSubclass
+from lightning_monarch.wire.specs import TrainerSubclass
 
 __all__ = [
     "CHECKED_WITH",

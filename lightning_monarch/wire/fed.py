@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lightning_monarch.codec import decode
+from lightning_monarch.wire.codec import decode
 
 #: A process's global random number generators, each as the bytes of its state.
 RngStates = dict[str, bytes]

@@ -1,5 +1,5 @@
 """Gate installation that both sides share: the same hooks must gate on the controller and on
-every worker (R2 in :mod:`lightning_monarch.protocol`), so both build their gates here.
+every worker (R2 in :mod:`lightning_monarch.wire.protocol`), so both build their gates here.
 
 A gate wraps a hook so that calling it goes through an ``around(gate, fn, args, kwargs)``
 function: on a worker that function runs the hook and records an entry for the controller; on the
@@ -18,7 +18,7 @@ from typing import Any
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_monarch.protocol import CALLBACK_HOOKS, GATES, gate_id
+from lightning_monarch.wire.protocol import CALLBACK_HOOKS, GATES, gate_id
 
 _ABSENT = object()
 

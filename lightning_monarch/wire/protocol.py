@@ -2,8 +2,8 @@
 messages of a running stage: rank 0's entries, the controller's grants and releases.
 
 Both sides import this module; nothing here talks to a mesh or runs a hook. What a stage is given
-is in :mod:`lightning_monarch.specs`, what the workers report besides entries in
-:mod:`lightning_monarch.reports`.
+is in :mod:`lightning_monarch.wire.specs`, what the workers report besides entries in
+:mod:`lightning_monarch.wire.reports`.
 
 The run-ahead invariants, cited elsewhere as R1-R8:
 
@@ -53,8 +53,8 @@ from typing import Any, Optional
 
 from typing_extensions import override
 
-from lightning_monarch.codec import StorageKey
-from lightning_monarch.reports import CheckpointState, WorkerFailure, WorkerWarning
+from lightning_monarch.wire.codec import StorageKey
+from lightning_monarch.wire.reports import CheckpointState, WorkerFailure, WorkerWarning
 
 #: Hooks that both a ``LightningModule`` and a ``Callback`` have (the callback's take the Trainer
 #: and the module first).

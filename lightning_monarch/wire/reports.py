@@ -2,7 +2,7 @@
 checkpoint state, stats, predictions and their answers to a preflight.
 
 Both sides import this module; the entries that carry most of these are in
-:mod:`lightning_monarch.protocol`.
+:mod:`lightning_monarch.wire.protocol`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the controller gives the workers: a stage, the world they join, a preflight, and the
 references its objects travel as.
 
-Both sides import this module, as they do :mod:`lightning_monarch.protocol`, whose rules (R1-R8)
+Both sides import this module, as they do :mod:`lightning_monarch.wire.protocol`, whose rules (R1-R8)
 these messages serve; nothing here talks to a mesh or runs a hook.
 """
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from lightning_monarch._compat.torch import tree_map
-from lightning_monarch.codec import Parcel, Shipment
-from lightning_monarch.protocol import RunAhead
+from lightning_monarch.wire.codec import Parcel, Shipment
+from lightning_monarch.wire.protocol import RunAhead
 
 
 def versions() -> dict[str, Optional[str]]:

@@ -19,10 +19,10 @@ import torch
 from lightning.pytorch import LightningModule
 from monarch.actor import Actor, current_rank, endpoint
 
-from lightning_monarch.codec import StorageKey, encode
-from lightning_monarch.protocol import Grant, RankStatus, Release
-from lightning_monarch.reports import CheckpointState, RankStats, RankValue, WorkerFailure, WorkerReport
-from lightning_monarch.specs import PreflightSpec, RankSnapshot, StageSpec, WorldSpec
+from lightning_monarch.wire.codec import StorageKey, encode
+from lightning_monarch.wire.protocol import Grant, RankStatus, Release
+from lightning_monarch.wire.reports import CheckpointState, RankStats, RankValue, WorkerFailure, WorkerReport
+from lightning_monarch.wire.specs import PreflightSpec, RankSnapshot, StageSpec, WorldSpec
 from lightning_monarch.worker import lifeline
 from lightning_monarch.worker.checkpoints import save_full, save_shards
 from lightning_monarch.worker.held_warnings import HELD

@@ -18,9 +18,9 @@ from torch.optim import Optimizer
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch._compat import loops as loops_compat
 from lightning_monarch._compat.torch import tree_map
-from lightning_monarch.protocol import GATES, OMITTED, RunAhead
-from lightning_monarch.reports import PredictionShard
-from lightning_monarch.specs import LoaderRef, OptimizerRef, SchedulerRef
+from lightning_monarch.wire.protocol import GATES, OMITTED, RunAhead
+from lightning_monarch.wire.reports import PredictionShard
+from lightning_monarch.wire.specs import LoaderRef, OptimizerRef, SchedulerRef
 
 
 def to_cpu(value: Any) -> Any:

@@ -16,8 +16,8 @@ from lightning.pytorch import Trainer
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch._compat import loops as loops_compat
-from lightning_monarch.protocol import METRIC_VIEWS, Entry, LoggerCall, control_state
-from lightning_monarch.specs import SchedulerConfigRef
+from lightning_monarch.wire.protocol import METRIC_VIEWS, Entry, LoggerCall, control_state
+from lightning_monarch.wire.specs import SchedulerConfigRef
 from lightning_monarch.worker.describe import param_group_hyperparameters, to_cpu
 from lightning_monarch.worker.state import RankState
 

@@ -18,7 +18,7 @@ import threading
 import warnings
 from typing import Any, Optional, TextIO
 
-from lightning_monarch.reports import WorkerWarning
+from lightning_monarch.wire.reports import WorkerWarning
 
 
 class HeldWarnings:

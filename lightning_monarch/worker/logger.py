@@ -18,8 +18,8 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from lightning_monarch.protocol import LoggerCall
-from lightning_monarch.specs import LoggerIdentity
+from lightning_monarch.wire.protocol import LoggerCall
+from lightning_monarch.wire.specs import LoggerIdentity
 from lightning_monarch.worker.describe import to_cpu
 
 

@@ -26,9 +26,9 @@ from typing import Any, Optional, Union
 
 from lightning.pytorch import Trainer
 
-from lightning_monarch.codec import StorageKey, encode
 from lightning_monarch.errors import DivergenceError
-from lightning_monarch.protocol import (
+from lightning_monarch.wire.codec import StorageKey, encode
+from lightning_monarch.wire.protocol import (
     GATES,
     MAX_STAGED_STATES,
     NOTICE_GATE,
@@ -41,8 +41,8 @@ from lightning_monarch.protocol import (
     RunAhead,
     set_control_state,
 )
-from lightning_monarch.reports import PredictionShard, WorkerFailure
-from lightning_monarch.specs import RankSnapshot
+from lightning_monarch.wire.reports import PredictionShard, WorkerFailure
+from lightning_monarch.wire.specs import RankSnapshot
 from lightning_monarch.worker.describe import describe_result, worker_side_result
 from lightning_monarch.worker.entries import EntryRecorder
 from lightning_monarch.worker.held_warnings import HELD

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.specs import NOTICE_VARIABLE
+from lightning_monarch.wire.specs import NOTICE_VARIABLE
 
 #: ``SIG_IGN`` in C.
 _SIG_IGN = ctypes.c_void_p(1)

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_monarch.devices import host_gpu_count, visibility
-from lightning_monarch.reports import WorkerReport
-from lightning_monarch.specs import PreflightSpec, versions
+from lightning_monarch.wire.reports import WorkerReport
+from lightning_monarch.wire.specs import PreflightSpec, versions
 from lightning_monarch.worker import process
 
 #: AMD's RCCL usage tips: peer-to-peer between PCIe-connected GPUs needs this set to 1.

@@ -37,7 +37,7 @@ from monarch.actor import current_rank
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.devices import pin
-from lightning_monarch.specs import WorldSpec, worker_backend
+from lightning_monarch.wire.specs import WorldSpec, worker_backend
 from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.notices import ignore_sigterm
 

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_monarch._compat import torch as torch_compat
-from lightning_monarch.specs import ShardingSpec, TrainerConfig
+from lightning_monarch.wire.specs import ShardingSpec, TrainerConfig
 
 #: The LightningModule methods Lightning calls instead of ``forward``: FSDP2 must gather the root's
 #: parameters around them as it does around ``forward``.

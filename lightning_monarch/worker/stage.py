@@ -21,11 +21,11 @@ from lightning.pytorch.callbacks import Checkpoint, LearningRateFinder
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.codec import Parcel, open_parcel
-from lightning_monarch.gates import GateCallback, install_hook_gates
 from lightning_monarch.memory_files import MemoryFile
-from lightning_monarch.protocol import DATAMODULE_HOOKS, MODULE_HOOKS
-from lightning_monarch.specs import StageSpec, TrainerConfig
+from lightning_monarch.wire.codec import Parcel, open_parcel
+from lightning_monarch.wire.gates import GateCallback, install_hook_gates
+from lightning_monarch.wire.protocol import DATAMODULE_HOOKS, MODULE_HOOKS
+from lightning_monarch.wire.specs import StageSpec, TrainerConfig
 from lightning_monarch.worker.entries import EntryRecorder
 from lightning_monarch.worker.logger import recording_loggers
 from lightning_monarch.worker.loop import StageLoop

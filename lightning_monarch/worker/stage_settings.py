@@ -19,7 +19,7 @@ import warnings
 from typing import Any, Optional, cast
 
 from lightning_monarch import library_settings
-from lightning_monarch.specs import StageSpec
+from lightning_monarch.wire.specs import StageSpec
 
 #: Lightning's info messages ("Initializing distributed", "`Trainer.fit` stopped") are the
 #: controller's to print; a worker keeps warnings and errors only.

@@ -17,10 +17,10 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from torch.optim import Optimizer
 
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.gates import GateCallback
-from lightning_monarch.protocol import METRIC_VIEWS, MODULE_HOOKS
-from lightning_monarch.reports import Attributes, CheckpointState, RankValue, TakenBack
-from lightning_monarch.specs import RankSnapshot
+from lightning_monarch.wire.gates import GateCallback
+from lightning_monarch.wire.protocol import METRIC_VIEWS, MODULE_HOOKS
+from lightning_monarch.wire.reports import Attributes, CheckpointState, RankValue, TakenBack
+from lightning_monarch.wire.specs import RankSnapshot
 from lightning_monarch.worker.describe import cpu_copy, to_cpu
 
 

@@ -10,7 +10,7 @@ the rank's Trainer, and a GPU worker tries its GPU tool on its first read. Sourc
   HIP-backed on ROCm, and utilization, memory-controller busy percent, temperature and power from
   NVML (``nvidia-ml-py``) on NVIDIA or ``amdsmi`` on ROCm where installed; on ROCm also the VRAM's
   peak bandwidth, and from it the bandwidth in use. Without the tool, torch's memory stats remain and
-  the first read says why (:attr:`~lightning_monarch.reports.RankStats.missing`); it never fails.
+  the first read says why (:attr:`~lightning_monarch.wire.reports.RankStats.missing`); it never fails.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch._compat import torch as torch_compat
-from lightning_monarch.reports import RankStats
+from lightning_monarch.wire.reports import RankStats
 
 _MIB = 2**20
 

@@ -3,7 +3,7 @@
 Runs in each worker process: :meth:`WorkerStorages.gather` in the ``start_stage`` endpoint,
 :meth:`WorkerStorages.hold` on the loop thread once the stage ran to its end.
 
-A stage's objects arrive as :class:`~lightning_monarch.codec.Parcel` pickles whose large storages
+A stage's objects arrive as :class:`~lightning_monarch.wire.codec.Parcel` pickles whose large storages
 travel apart, each named by its key (the hash of its bytes). The controller sends each storage
 that rank 0 does not hold once (``codec.Shipment``): into one memory file of the controller's
 (``memory_files``), which every worker on the controller's host maps without a copy (private,
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_monarch.codec import OUT_OF_BAND_BYTES, Parcel, Shipment, StorageKey, as_memoryview, storage_key
 from lightning_monarch.memory_files import open_memory_file, read_at
+from lightning_monarch.wire.codec import OUT_OF_BAND_BYTES, Parcel, Shipment, StorageKey, as_memoryview, storage_key
 from lightning_monarch.worker.process import ensure_process_group
 
 #: The largest piece of a broadcast: small storages are sent together up to this size, and a

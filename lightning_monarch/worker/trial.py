@@ -19,8 +19,8 @@ from typing import Any, Optional
 from lightning.pytorch import Trainer
 
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.gates import Around
-from lightning_monarch.protocol import gate_id
+from lightning_monarch.wire.gates import Around
+from lightning_monarch.wire.protocol import gate_id
 
 #: The gates of the hook that gives the training data, on the module or on the datamodule.
 _TRAIN_LOADER_GATES = (gate_id("module", "train_dataloader"), gate_id("datamodule", "train_dataloader"))

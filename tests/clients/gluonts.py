@@ -3,7 +3,7 @@ building the Trainer from ``trainer_kwargs`` and adding its own ``ModelCheckpoin
 
 What it exercises: the training data is a stream over a Python generator (``Cyclic(...).stream()``
 under the estimator's batches) that cannot be pickled and draws its windows from NumPy's global
-generator, which the controller iterates for every rank (``lightning_monarch.fed``); the series
+generator, which the controller iterates for every rank (``lightning_monarch.wire.fed``); the series
 are NumPy arrays (``codec``'s out-of-band buffers); after ``fit`` the estimator loads the best
 checkpoint on the controller.
 """

@@ -32,7 +32,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from monarch.actor import HostMesh
 
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.codec import pack
 from lightning_monarch.controller.mesh.hosts import (
     LostHostCheck,
     host_mesh,
@@ -43,7 +42,8 @@ from lightning_monarch.controller.mesh.hosts import (
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.errors import HostsLostError, UnreachableHostsError
 from lightning_monarch.memory_files import MemoryFile
-from lightning_monarch.specs import StageSpec
+from lightning_monarch.wire.codec import pack
+from lightning_monarch.wire.specs import StageSpec
 
 if TYPE_CHECKING:
     from lightning_monarch.strategy import MonarchStrategy

@@ -22,8 +22,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.errors import PreflightError
-from lightning_monarch.reports import WorkerReport
-from lightning_monarch.specs import PreflightSpec, versions
+from lightning_monarch.wire.reports import WorkerReport
+from lightning_monarch.wire.specs import PreflightSpec, versions
 
 if TYPE_CHECKING:
     from lightning_monarch.strategy import MonarchStrategy

@@ -35,7 +35,7 @@ from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch._compat import loops as loops_compat
 from lightning_monarch.controller import arguments
 from lightning_monarch.errors import RehearsalError, WorkerError
-from lightning_monarch.reports import RankStats
+from lightning_monarch.wire.reports import RankStats
 
 if TYPE_CHECKING:
     from lightning_monarch.strategy import MonarchStrategy

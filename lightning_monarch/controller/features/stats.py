@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_monarch import namespaces
 from lightning_monarch.controller import arguments
-from lightning_monarch.reports import RankStats
+from lightning_monarch.wire.reports import RankStats
 
 
 class MeshStatsMonitor(Callback):

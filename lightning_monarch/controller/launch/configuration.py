@@ -21,7 +21,7 @@ from lightning_monarch.controller.mesh.hosts import host_mesh
 from lightning_monarch.controller.mesh.output import WorkerOutput
 from lightning_monarch.controller.mesh.pool import MeshKey
 from lightning_monarch.devices import host_gpu_count, pin
-from lightning_monarch.specs import worker_backend
+from lightning_monarch.wire.specs import worker_backend
 
 if TYPE_CHECKING:
     from lightning_monarch.strategy import MonarchStrategy

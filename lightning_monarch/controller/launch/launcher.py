@@ -41,9 +41,9 @@ from lightning_monarch.controller.mesh.pool import MESHES
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
 from lightning_monarch.errors import HostsLostError, WorkerError
-from lightning_monarch.gates import install_hook_gates
-from lightning_monarch.protocol import SnapshotEpochs
-from lightning_monarch.specs import LoaderRef, LoggerIdentity, StageSpec, TorchRngStart, TrainerConfig
+from lightning_monarch.wire.gates import install_hook_gates
+from lightning_monarch.wire.protocol import SnapshotEpochs
+from lightning_monarch.wire.specs import LoaderRef, LoggerIdentity, StageSpec, TorchRngStart, TrainerConfig
 
 if TYPE_CHECKING:
     from lightning_monarch.strategy import MonarchStrategy

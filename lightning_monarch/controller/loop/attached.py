@@ -16,7 +16,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_monarch.controller.loop.session import StageSession
-from lightning_monarch.reports import CheckpointState, RankStats
+from lightning_monarch.wire.reports import CheckpointState, RankStats
 
 
 class AttachedStage:

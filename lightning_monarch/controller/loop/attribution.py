@@ -16,8 +16,8 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_monarch.controller.loop.mirror_guard import MirrorGuard, is_guarded
-from lightning_monarch.gates import install_hook_gates
-from lightning_monarch.protocol import CALLBACK_HOOKS
+from lightning_monarch.wire.gates import install_hook_gates
+from lightning_monarch.wire.protocol import CALLBACK_HOOKS
 
 
 class CallbackAttribution:

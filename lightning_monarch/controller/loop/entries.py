@@ -16,7 +16,7 @@ from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
 from lightning_monarch.errors import DivergenceError, WorkerError
-from lightning_monarch.protocol import Entry
+from lightning_monarch.wire.protocol import Entry
 
 
 class EntryQueue:

@@ -17,7 +17,7 @@ from typing import Any
 from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
 from lightning.pytorch import Trainer
 
-from lightning_monarch.protocol import LoggerCall
+from lightning_monarch.wire.protocol import LoggerCall
 
 
 class LoggerCalls:

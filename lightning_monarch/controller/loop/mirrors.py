@@ -17,8 +17,8 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
 from lightning_monarch._compat.torch import tree_flatten, tree_unflatten
-from lightning_monarch.reports import CheckpointState
-from lightning_monarch.specs import LoaderRef, OptimizerRef, SchedulerConfigRef, SchedulerRef
+from lightning_monarch.wire.reports import CheckpointState
+from lightning_monarch.wire.specs import LoaderRef, OptimizerRef, SchedulerConfigRef, SchedulerRef
 
 StateSource = Callable[[], CheckpointState]
 

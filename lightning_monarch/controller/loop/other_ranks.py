@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.loop.requests import WorkerRequests
-from lightning_monarch.gates import install_hook_gates, ungated_copy
+from lightning_monarch.wire.gates import install_hook_gates, ungated_copy
 
 Deciding = Union[EarlyStopping, ModelCheckpoint]
 

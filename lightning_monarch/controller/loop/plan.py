@@ -44,7 +44,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.features.stats import MeshStatsMonitor
 from lightning_monarch.controller.loop.callbacks import callback_class
-from lightning_monarch.protocol import (
+from lightning_monarch.wire.protocol import (
     CALLBACK_HOOKS,
     SNAPSHOT_GATE,
     Always,

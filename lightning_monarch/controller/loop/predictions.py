@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_monarch._compat.torch import tree_flatten, tree_unflatten
-from lightning_monarch.reports import PredictionShard
+from lightning_monarch.wire.reports import PredictionShard
 
 
 class PredictionCollector:

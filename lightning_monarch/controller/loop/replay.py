@@ -24,7 +24,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
 from lightning_monarch._compat import loops as loops_compat
-from lightning_monarch.gates import GateCallback
+from lightning_monarch.wire.gates import GateCallback
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_monarch.controller.mesh.channel import StageChannel
-from lightning_monarch.reports import RankStats
+from lightning_monarch.wire.reports import RankStats
 
 
 class WorkerRequests:

@@ -52,8 +52,8 @@ from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.storages import KeptShards
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
 from lightning_monarch.errors import DivergenceError
-from lightning_monarch.gates import GateCallback, install_hook_gates
-from lightning_monarch.protocol import (
+from lightning_monarch.wire.gates import GateCallback, install_hook_gates
+from lightning_monarch.wire.protocol import (
     DATAMODULE_HOOKS,
     GATES,
     METRIC_VIEWS,
@@ -68,7 +68,7 @@ from lightning_monarch.protocol import (
     gate_id,
     set_control_state,
 )
-from lightning_monarch.reports import CheckpointState
+from lightning_monarch.wire.reports import CheckpointState
 
 _BASES = {"module": LightningModule, "datamodule": LightningDataModule}
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_monarch.reports import Attributes, TakenBack
+from lightning_monarch.wire.reports import Attributes, TakenBack
 
 
 def take_attributes(taken: TakenBack, module: Any, worker_callbacks: list[Any]) -> None:

@@ -18,13 +18,13 @@ import logging
 import time
 from typing import Any, Optional
 
-from lightning_monarch.codec import pack
 from lightning_monarch.controller.mesh.hosts import LostHostCheck
 from lightning_monarch.controller.mesh.snapshots import SnapshotDirectory
 from lightning_monarch.controller.mesh.worker_mesh import Message, WorkerMesh, by_rank
 from lightning_monarch.errors import DivergenceError, HostsLostError, MeshFailureError, WorkerError, WorkerTimeoutError
-from lightning_monarch.protocol import Entry, Release
-from lightning_monarch.specs import ResumePoint, StageSpec
+from lightning_monarch.wire.codec import pack
+from lightning_monarch.wire.protocol import Entry, Release
+from lightning_monarch.wire.specs import ResumePoint, StageSpec
 
 log = logging.getLogger(__name__)
 

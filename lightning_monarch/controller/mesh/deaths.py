@@ -17,8 +17,8 @@ from typing import Any, NoReturn, Optional
 from lightning_monarch._compat.monarch import SupervisionError, failed_rank
 from lightning_monarch.controller.mesh.watch import POLL_S, ProcessWatch
 from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError
-from lightning_monarch.protocol import RankStatus
-from lightning_monarch.reports import WorkerFailure
+from lightning_monarch.wire.protocol import RankStatus
+from lightning_monarch.wire.reports import WorkerFailure
 
 #: How long a survivor's collective error waits, with workers on other hosts, for Monarch's
 #: supervision to report the dead peer instead: a death inside a collective reaches the controller

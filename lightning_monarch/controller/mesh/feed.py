@@ -4,7 +4,7 @@ Runs in the controller's process: :class:`FedLoaders` puts a ``fed.FedIterable``
 dataloader argument that cannot be pickled (a library's stream over a Python generator), and the
 process's one :class:`LoaderFeed` actor serves their items to the ranks that ask, on Monarch's
 actor thread, while the stage runs. Why every rank gets the same items, and how the global random
-number generators follow: ``lightning_monarch.fed``.
+number generators follow: ``lightning_monarch.wire.fed``.
 
 While an item is drawn, this process's global generators hold the asking rank's states; the
 controller's own states are put back after. Code of the controller that draws random numbers on
@@ -23,9 +23,9 @@ from monarch.actor import Actor, endpoint, this_proc
 from torch.utils.data import DataLoader
 
 from lightning_monarch._compat.torch import tree_flatten, tree_unflatten
-from lightning_monarch.codec import encode
 from lightning_monarch.controller.mesh.payload import find_unpicklable, travel_error
-from lightning_monarch.fed import START, FedIterable, FeedAnswer, RngStates, capture_rng, restore_rng
+from lightning_monarch.wire.codec import encode
+from lightning_monarch.wire.fed import START, FedIterable, FeedAnswer, RngStates, capture_rng, restore_rng
 
 #: The iterables being fed, by number, in this process.
 _FED: dict[int, _FedIterable] = {}

@@ -31,7 +31,7 @@ from lightning.pytorch import Trainer
 from torch import nn
 from typing_extensions import override
 
-from lightning_monarch.codec import (
+from lightning_monarch.wire.codec import (
     Parcel,
     TensorPickling,
     made_with_abstract_methods,
@@ -43,7 +43,7 @@ from lightning_monarch.codec import (
 
 class _ReferenceRecorder(TensorPickling, cloudpickle.Pickler):
     """A cloudpickle pickler that notes every class and function it pickles by reference; tensors
-    travel as ``lightning_monarch.codec`` sends them, for the workers' ``codec.decode``.
+    travel as ``lightning_monarch.wire.codec`` sends them, for the workers' ``codec.decode``.
 
     It leaves the controller's ``Trainer`` behind (a LightningDataModule keeps a reference to it):
     each worker attaches its own Trainer, as the controller's cannot leave this process.

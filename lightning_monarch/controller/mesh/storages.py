@@ -33,8 +33,8 @@ import psutil
 import torch
 from torch import nn
 
-from lightning_monarch.codec import Parcel, Shipment, Source, StorageKey, as_memoryview, storage_key
 from lightning_monarch.memory_files import MemoryFile, write_at
+from lightning_monarch.wire.codec import Parcel, Shipment, Source, StorageKey, as_memoryview, storage_key
 
 #: The share of this host's available memory a stage's memory file may take.
 _ROOM_SHARE = 0.5

@@ -17,7 +17,6 @@ from typing import Any, Optional
 from monarch.actor import HostMesh, ProcMesh, this_host
 
 from lightning_monarch._compat.monarch import SupervisionError
-from lightning_monarch.codec import Shipment, StorageKey, decode
 from lightning_monarch.controller.mesh import deaths, storages
 from lightning_monarch.controller.mesh.forkserver import ProcessStart
 from lightning_monarch.controller.mesh.hosts import host_count, runs_here
@@ -27,9 +26,10 @@ from lightning_monarch.controller.mesh.storages import KeptShards
 from lightning_monarch.controller.mesh.watch import POLL_S, ProcessWatch
 from lightning_monarch.controller.mesh.world import WorkerWorld, leave_world
 from lightning_monarch.errors import MeshFailureError, WorkerError
-from lightning_monarch.protocol import Entry, Grant, RankStatus
-from lightning_monarch.reports import PredictionShard, RankValue, WorkerFailure, WorkerReport
-from lightning_monarch.specs import PreflightSpec, StageSpec
+from lightning_monarch.wire.codec import Shipment, StorageKey, decode
+from lightning_monarch.wire.protocol import Entry, Grant, RankStatus
+from lightning_monarch.wire.reports import PredictionShard, RankValue, WorkerFailure, WorkerReport
+from lightning_monarch.wire.specs import PreflightSpec, StageSpec
 
 log = logging.getLogger(__name__)
 

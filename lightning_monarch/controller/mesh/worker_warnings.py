@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from types import ModuleType
 from typing import Any, Optional
 
-from lightning_monarch.reports import RankValue, WorkerWarning
+from lightning_monarch.wire.reports import RankValue, WorkerWarning
 
 #: This process's "once per location" registries for the files no module of it was loaded from
 #: (code the workers got by value says ``<dynamic-code>``), kept as Python keeps a module's.

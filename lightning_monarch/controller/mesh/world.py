@@ -22,7 +22,7 @@ from monarch.actor import HostMesh, ProcMesh
 
 from lightning_monarch.controller.mesh.counted import Counted
 from lightning_monarch.controller.mesh.hosts import host_count
-from lightning_monarch.specs import WorldSpec
+from lightning_monarch.wire.specs import WorldSpec
 from lightning_monarch.worker.actor import MonarchWorker
 from lightning_monarch.worker.process import LOCAL_DIMENSION
 
