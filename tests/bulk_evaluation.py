@@ -1,5 +1,5 @@
 """Evaluation loops long enough for the controller to take batches in bulk
-(``lightning_monarch.controller.loop.replay``), run the same under ``ddp`` and ``monarch``.
+(``lightning_monarch.controller.loop.bulk``), run the same under ``ddp`` and ``monarch``.
 
 Usage under ``ddp`` (``tests.references.run_reference``): ``python -m tests.bulk_evaluation OUT_DIR``;
 rank 0 saves :func:`run`'s results to ``OUT_DIR/results.pt`` and every rank its predictions.

@@ -1,4 +1,4 @@
-"""The controller's bulk path for evaluation and prediction (``controller.loop.replay``), on loops of
+"""The controller's bulk path for evaluation and prediction (``controller.loop.bulk``), on loops of
 40 batches a rank: it runs (counted from its own log), and its results equal ``ddp``'s bit for bit:
 the logged rows and metrics of values logged per batch, the predictions, and what the progress bar
 draws at ``refresh_rate=1`` and ``refresh_rate=20``. A callback whose batch hook is set on the
@@ -36,7 +36,7 @@ def monarch(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], t
     out = tmp_path_factory.mktemp("monarch")
     bulk: list[int] = []
     handler = _BulkCounter(bulk)
-    logger = logging.getLogger("lightning_monarch.controller.loop.replay")
+    logger = logging.getLogger("lightning_monarch.controller.loop.bulk")
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
     try:

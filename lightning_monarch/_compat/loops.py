@@ -1,7 +1,7 @@
 """The door to the private parts of Lightning's evaluation and prediction loops.
 
 The controller replays these loops in bulk and the workers report where theirs are
-(``controller.loop.replay``, ``worker.entries``): both reach into each loop's combined loader,
+(``controller.loop.bulk``, ``worker.entries``): both reach into each loop's combined loader,
 data fetcher and batch step. Checked as :mod:`lightning_monarch._compat.lightning` is (its
 ``PRIVATE_NAMES`` lists the loops' attributes used here too); when Lightning changes one of
 these, this file is the one to change.

@@ -25,7 +25,7 @@ class WorkerRequests:
     def collective(self, kind: str, view: str, key: str, options: dict[str, Any]) -> Any:
         """``trainer.strategy.<kind>`` run by every worker on its own ``trainer.<view>[key]``; rank 0's result."""
         self._require_parked(f"`trainer.strategy.{kind}(...)` of `trainer.{view}[{key!r}]`")
-        return self._channel.ask_rank0("collective", kind, view, key, options, replay=True, everyone=True)
+        return self._channel.ask_rank0("collective", kind, view, key, options, journal=True, everyone=True)
 
     def metric_on_every_rank(self, view: str, key: str) -> list[Any]:
         """Every rank's ``trainer.<view>[key]``, in rank order."""
@@ -35,13 +35,13 @@ class WorkerRequests:
     def read_stats(self) -> list[RankStats]:
         """Every rank's stats (``worker.stats``), in rank order."""
         self._require_parked("the workers' stats")
-        return self._channel.ask_every_rank("read_stats", replay=False)
+        return self._channel.ask_every_rank("read_stats", journal=False)
 
     def on_save_checkpoint(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         """The module's ``on_save_checkpoint``, run by rank 0 on the checkpoint the controller saves."""
         self._require_parked("a checkpoint")
         checkpoint = args[0] if args else kwargs["checkpoint"]
-        edited = self._channel.ask_rank0("on_save_checkpoint", checkpoint, replay=True)
+        edited = self._channel.ask_rank0("on_save_checkpoint", checkpoint, journal=True)
         checkpoint.clear()
         checkpoint.update(edited)
 

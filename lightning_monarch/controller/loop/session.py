@@ -29,6 +29,7 @@ from typing_extensions import override
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.features.elastic import ElasticFit
 from lightning_monarch.controller.loop.attribution import CallbackAttribution
+from lightning_monarch.controller.loop.bulk import take_in_bulk
 from lightning_monarch.controller.loop.callbacks import check_controller_callbacks
 from lightning_monarch.controller.loop.entries import EntryQueue
 from lightning_monarch.controller.loop.logger_calls import LoggerCalls
@@ -45,7 +46,6 @@ from lightning_monarch.controller.loop.plan import (
     states_can_travel,
 )
 from lightning_monarch.controller.loop.predictions import PredictionCollector
-from lightning_monarch.controller.loop.replay import replay_in_bulk
 from lightning_monarch.controller.loop.requests import WorkerRequests
 from lightning_monarch.controller.loop.taken_back import take_attributes
 from lightning_monarch.controller.mesh.channel import StageChannel
@@ -116,7 +116,7 @@ class StageSession:
         #: The control state the workers go on with after the current entry (R5).
         self._control: dict[str, Any] = {}
         self._views: Optional[dict[str, dict[str, Any]]] = None
-        self._replay: Optional[deque[tuple[str, Any]]] = None
+        self._nested_results: Optional[deque[tuple[str, Any]]] = None
         # Results of hooks the workers ran inside another hook, for the controller to take when its
         # own loop calls that hook later (``estimated_stepping_batches`` in ``configure_optimizers``
         # makes a worker build its train dataloader early).
@@ -152,7 +152,7 @@ class StageSession:
                 install_hook_gates(module, "checkpoint", ["on_save_checkpoint"], self.requests.on_save_checkpoint)
             )
         self._undo.append(mirror_metrics(self._trainer, self))
-        self._undo.append(replay_in_bulk(self._trainer, self))
+        self._undo.append(take_in_bulk(self._trainer, self))
         callbacks = self._trainer.callbacks  # type: ignore[attr-defined]
         self._attribution.wrap(callbacks, self._undo)
         callbacks.insert(0, self._gate_callback)
@@ -171,7 +171,7 @@ class StageSession:
 
     def around(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """Runs at every gated hook call on the controller (R2, R3, R7)."""
-        if self._replay is not None:
+        if self._nested_results is not None:
             return self._nested(gate, fn, args, kwargs)
         if self._ahead.get(gate):
             return self._materialize(gate, self._ahead[gate].popleft())
@@ -183,15 +183,15 @@ class StageSession:
             if self._elastic is not None:
                 self._elastic.at_resume_point(self._trainer)
             self._channel.snapshot(self._trainer.current_epoch)
-        self._replay = deque(entry.nested)
+        self._nested_results = deque(entry.nested)
         try:
             if GATES[gate].result is not None:
                 return self._result(gate, entry.result)
             return self._base(gate, fn)(*args, **kwargs)
         finally:
-            for nested_gate, value in self._replay:
+            for nested_gate, value in self._nested_results:
                 self._ahead.setdefault(nested_gate, deque()).append(value)
-            self._replay = None
+            self._nested_results = None
 
     def _base(self, gate: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Lightning's own implementation of a gated hook, bound to the controller's object; for a
@@ -202,17 +202,17 @@ class StageSession:
         return getattr(_BASES[owner], hook).__get__(self._module if owner == "module" else self._datamodule)
 
     def _nested(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        assert self._replay is not None
+        assert self._nested_results is not None
         if GATES[gate].result is None:
             return self._base(gate, fn)(*args, **kwargs)
-        if not self._replay or self._replay[0][0] != gate:
-            recorded = self._replay[0][0] if self._replay else "nothing"
+        if not self._nested_results or self._nested_results[0][0] != gate:
+            recorded = self._nested_results[0][0] if self._nested_results else "nothing"
             raise DivergenceError(f"The controller called `{gate}` inside a hook where the workers called {recorded}.")
-        return self._materialize(gate, self._replay.popleft()[1])
+        return self._materialize(gate, self._nested_results.popleft()[1])
 
     def closure_runs(self) -> int:
-        """How many times the workers ran the optimizer closure in the hook being replayed."""
-        return sum(gate == "module.training_step" for gate, _ in self._replay or ())
+        """How many times the workers ran the optimizer closure in the hook whose nested results are taken."""
+        return sum(gate == "module.training_step" for gate, _ in self._nested_results or ())
 
     def _result(self, gate: str, value: Any) -> Any:
         if gate == "module.configure_callbacks":
@@ -281,7 +281,7 @@ class StageSession:
 
     def take_batches(self, stage: str, limit: int) -> int:
         """Take the entries of up to ``limit`` whole batches of the ``stage`` loop (``validation``,
-        ``test``, ``predict``) without running any hook here (``controller.loop.replay``); how many
+        ``test``, ``predict``) without running any hook here (``controller.loop.bulk``); how many
         were taken. A batch is whole when the next one's start has arrived (fetched if need be); one
         with a sync gate or nested results, or with other gates than the batch the loop just ran (each
         gate compared), is left to the loop's step."""
@@ -396,7 +396,7 @@ class StageSession:
             values = self._views[view]
         else:
             self._require_parked(f"`trainer.{view}`")
-            values = self._channel.ask_rank0("read_metrics", view, replay=True, everyone=True)
+            values = self._channel.ask_rank0("read_metrics", view, journal=True, everyone=True)
         self.metric_origins.remember(view, values)
         return values
 

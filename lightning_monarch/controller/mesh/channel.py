@@ -103,17 +103,17 @@ class StageChannel:
         """Release the workers from their sync gate (R5)."""
         self._send(Message("release", (release,), wait=False))
 
-    def ask_every_rank(self, endpoint: str, *args: Any, replay: bool = True) -> list[Any]:
-        """Ask every worker parked at a sync gate (R5); their answers in rank order. ``replay``: the
+    def ask_every_rank(self, endpoint: str, *args: Any, journal: bool = True) -> list[Any]:
+        """Ask every worker parked at a sync gate (R5); their answers in rank order. ``journal``: the
         request changes the workers' state (a read of metrics that Lightning stores, a collective),
         so new workers after a recovery must get it again at the same point."""
-        return by_rank(self._send(Message(endpoint, args), journal=replay))
+        return by_rank(self._send(Message(endpoint, args), journal=journal))
 
-    def ask_rank0(self, endpoint: str, *args: Any, replay: bool = False, everyone: bool = False) -> Any:
+    def ask_rank0(self, endpoint: str, *args: Any, journal: bool = False, everyone: bool = False) -> Any:
         """Rank 0's answer to a request made at a sync gate (R5): asked alone, or with
         ``everyone``, of every rank (each takes part, e.g. in a collective; rank 0's answer is the
         only one that is not ``None``)."""
-        answers = self._send(Message(endpoint, args, rank0=not everyone), journal=replay)
+        answers = self._send(Message(endpoint, args, rank0=not everyone), journal=journal)
         return next(answer for answer in answers if answer is not None)
 
     def snapshot(self, epoch: int) -> None:
@@ -125,7 +125,7 @@ class StageChannel:
         if self._journal is None:
             return
         directory = self._snapshots.for_epoch(epoch) if self._snapshots is not None else None
-        ranks = self.ask_every_rank("snapshot", directory, replay=False)
+        ranks = self.ask_every_rank("snapshot", directory, journal=False)
         resume = ResumePoint(
             checkpoint=directory if directory is not None else pack(ranks[0].checkpoint),
             ranks=tuple(dataclasses.replace(snapshot, checkpoint=None) for snapshot in ranks),

@@ -1,4 +1,4 @@
-"""Evaluation and prediction loops replayed on the controller in bulk.
+"""Evaluation and prediction batches taken on the controller in bulk.
 
 Runs on the controller. Its Lightning loop follows the workers' entries one gate at a time (R3);
 for a batch of an evaluation or prediction loop that is Lightning's whole per-batch machinery (the
@@ -33,12 +33,12 @@ _COUNTING_BARS = (TQDMProgressBar, RichProgressBar)
 
 
 class BatchTaker(Protocol):
-    """What the replay needs of the stage session."""
+    """What taking batches in bulk needs of the stage session."""
 
     def take_batches(self, stage: str, limit: int) -> int: ...
 
 
-def replay_in_bulk(trainer: Trainer, session: BatchTaker) -> Callable[[], None]:
+def take_in_bulk(trainer: Trainer, session: BatchTaker) -> Callable[[], None]:
     """Let ``trainer``'s evaluation and prediction loops take whole batches in bulk where no
     controller callback needs their batch hooks; returns the undo."""
     undo = [
