@@ -116,6 +116,8 @@ class StageSession:
         #: The control state the workers go on with after the current entry (R5).
         self._control: dict[str, Any] = {}
         self._views: Optional[dict[str, dict[str, Any]]] = None
+        #: While the controller's loop runs a gated hook: the results of the hooks the workers ran
+        #: inside it (the entry's ``nested``), in their order, taken as the controller calls them.
         self._nested_results: Optional[deque[tuple[str, Any]]] = None
         # Results of hooks the workers ran inside another hook, for the controller to take when its
         # own loop calls that hook later (``estimated_stepping_batches`` in ``configure_optimizers``
