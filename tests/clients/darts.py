@@ -31,7 +31,9 @@ from tests.clients import results
 
 
 def train(strategy: str, out_dir: Path) -> dict[str, Any] | None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # darts makes its runs folder if it is missing, at construction: under ddp both ranks construct
+    # the model at once, and the later one's os.mkdir raised FileExistsError once in the suite
+    (out_dir / "tide").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     t = np.arange(200, dtype=np.float32)
     series = TimeSeries.from_values((np.sin(t / 6) + 0.1 * rng.standard_normal(200)).astype(np.float32))
