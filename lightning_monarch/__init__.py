@@ -110,7 +110,16 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(_PUBLIC_NAMES[name]), name)
 
 
+def _strategies() -> tuple[type, ...]:
+    """The strategies ``import lightning_monarch`` registers, imported when its install step asks."""
+    from lightning_monarch.fsdp import MonarchFSDPStrategy
+    from lightning_monarch.model_parallel import MonarchModelParallelStrategy
+    from lightning_monarch.strategy import MonarchStrategy
+
+    return MonarchStrategy, MonarchModelParallelStrategy, MonarchFSDPStrategy
+
+
 if not monarch_compat.launched_by_monarch():
     from lightning_monarch.controller.install import install
 
-    install()
+    install(_strategies)

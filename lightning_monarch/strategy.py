@@ -26,8 +26,8 @@ from typing_extensions import override
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller import arguments
 from lightning_monarch.controller.features.rehearsal import RehearsalReport
-from lightning_monarch.controller.launch import configuration
 from lightning_monarch.controller.launch.accelerator import WorkerGPUAccelerator
+from lightning_monarch.controller.launch.configuration import check_configuration
 from lightning_monarch.controller.launch.launcher import MonarchLauncher
 from lightning_monarch.controller.loop import collectives
 from lightning_monarch.controller.loop.attached import AttachedStage
@@ -35,6 +35,7 @@ from lightning_monarch.controller.loop.mirrors import GradScalerMirror
 from lightning_monarch.controller.loop.session import StageSession
 from lightning_monarch.controller.mesh.pool import MeshKey
 from lightning_monarch.controller.mesh.snapshots import SnapshotDirectory
+from lightning_monarch.controller.settings import StageOutcome, StrategySettings
 from lightning_monarch.wire.reports import RankStats
 from lightning_monarch.wire.specs import ShardingSpec
 
@@ -46,8 +47,6 @@ DEFAULT_MAX_AHEAD = 16
 _LIGHTNING_PARAMETERS = frozenset(
     {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
 )
-#: The kinds of parameter a caller names.
-_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 #: Arguments of earlier versions' ``MonarchStrategy(parallelism="fsdp", ...)``, now
 #: ``MonarchFSDPStrategy``'s: given to ``MonarchStrategy``, they name it.
 _SHARDING_OPTIONS = (
@@ -60,7 +59,61 @@ _SHARDING_OPTIONS = (
 )
 
 
-class MonarchStrategy(ParallelStrategy):
+class _OneProcess(ParallelStrategy):
+    """What Lightning sees of a Monarch strategy: one process, rank 0 of the world, on the CPU, whose
+    barriers wait for nobody and whose broadcasts from rank 0 give its own object. Runs on the
+    controller; the workers' own Lightning runs the real collectives among them."""
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """The controller is one process; the distribution happens among the workers."""
+        return False
+
+    @override
+    def model_to_device(self) -> None:
+        """The controller's module is a CPU mirror; the workers move theirs."""
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        """The controller is the only process of the program that calls it, so there is nobody to wait
+        for; each worker's own Lightning waits at its own barriers, among the workers."""
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank 0's ``obj`` is the controller's own (it runs the loop and its callbacks as rank 0
+        does), so broadcasting from rank 0 gives every rank, and the caller, ``obj``; the controller
+        has no other rank's value to give."""
+        if src != 0:
+            raise RuntimeError(
+                f"`trainer.strategy.broadcast(obj, src={src})` on the controller under strategy='monarch': the"
+                f" controller runs your code once, as rank 0, and has no rank {src} whose value it could take."
+                " Broadcast from rank 0 (`src=0`, which gives the value the controller already has), or run the"
+                " code on the workers, e.g. as a callback given as `lightning_monarch.on_workers(MyCallback())`."
+            )
+        return obj
+
+
+class MonarchStrategy(_OneProcess):
     """Train on a mesh of Monarch worker actors from one controller process: this one.
 
     The controller runs Lightning's loops, callbacks, loggers and checkpoint files once; one
@@ -254,28 +307,38 @@ class MonarchStrategy(ParallelStrategy):
         """The accelerator the workers' Trainers use: ``"cuda"`` (CUDA or ROCm) or ``"cpu"``."""
         return "cuda" if isinstance(self.accelerator, (WorkerGPUAccelerator, CUDAAccelerator)) else "cpu"
 
-    @property
-    def _gpus_per_host(self) -> int:
-        """How many GPUs each host's workers use: ``devices`` for GPU workers, 0 for CPU ones."""
-        return len(self.parallel_devices or ()) if self.worker_accelerator == "cuda" else 0
+    def _settings(self) -> StrategySettings:
+        """What this strategy asks of its workers, as the launcher and the features read it: the
+        options of ``MonarchStrategy``'s constructor, and what Lightning gave it."""
+        options = arguments.constructor_arguments(self, MonarchStrategy, MonarchStrategy, _LIGHTNING_PARAMETERS)
+        return StrategySettings(
+            **options,
+            twin=self._rehearsal_twin,
+            host_mesh=self._host_mesh,
+            rehearsing=self._rehearsing,
+            ddp_kwargs=self.ddp_kwargs,
+            worker_accelerator=self.worker_accelerator,
+            devices=tuple(self.parallel_devices or ()),
+            num_nodes=self.num_nodes,
+            sync_batchnorm=self.sync_batchnorm,
+        )
+
+    def _rehearsal_twin(self, **overrides: Any) -> MonarchStrategy:
+        """A strategy of this class, made from this one's arguments with ``overrides``, that runs a
+        rehearsal (``controller.features.rehearsal``)."""
+        twin = type(self)(**{**self._arguments(), **overrides})
+        twin._rehearsing = True
+        return twin
 
     def _mesh_key(self) -> MeshKey:
         """What a warm mesh must match to run this strategy's next stage."""
-        return configuration.mesh_key(self)
+        return self._settings().mesh_key()
 
     def _arguments(self) -> dict[str, Any]:
         """The arguments this strategy was made with, as its constructor takes them (a rehearsal
-        makes its twin from them): those :func:`_constructor_parameters` names, read from the
-        attributes of the same names, then ``ddp_kwargs``."""
-        names = _constructor_parameters(type(self))
-        missing = [name for name in names if not hasattr(self, name)]
-        if missing:
-            raise AttributeError(
-                f"`{type(self).__name__}({', '.join(f'{name}=...' for name in missing)})`: a rehearsal makes a copy of"
-                " the strategy from its constructor's arguments, read from the attributes of the same names. Keep each"
-                f" argument as one (`self.{missing[0]} = {missing[0]}`)."
-            )
-        return {**{name: getattr(self, name) for name in names}, **self.ddp_kwargs}
+        makes its twin from them), read from the attributes of the same names, then ``ddp_kwargs``."""
+        left_out = _LIGHTNING_PARAMETERS | self._fixed_arguments
+        return {**arguments.constructor_arguments(self, type(self), MonarchStrategy, left_out), **self.ddp_kwargs}
 
     @ParallelStrategy.precision_plugin.setter  # type: ignore[attr-defined]
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
@@ -295,72 +358,22 @@ class MonarchStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        """Check the Trainer's arguments, connect to the hosts, and hand the launcher this
+        strategy's settings, with the strategy as its hooks (``controller.settings``)."""
         self._check_configuration()
-        lightning_compat.set_launcher(self, MonarchLauncher(self))
+        lightning_compat.set_launcher(self, MonarchLauncher(self._settings(), self))
 
     def _check_configuration(self) -> None:
-        """Reject Trainer arguments that cannot work with a Monarch mesh, at ``Trainer(...)`` time."""
-        configuration.check_configuration(self)
+        """Reject Trainer arguments that cannot work with a Monarch mesh, at ``Trainer(...)`` time,
+        and keep the hosts' ``HostMesh``."""
+        self._host_mesh = check_configuration(self._settings(), self.accelerator, self.precision_plugin)
 
-    def _devices_argument(self) -> Any:
-        """``Trainer(devices=...)`` as it selects this strategy's devices: a count, or GPU indices."""
-        indices = [device.index or 0 for device in self.parallel_devices or ()]
-        return indices if self.worker_accelerator == "cuda" and indices != list(range(len(indices))) else len(indices)
-
-    # ----- one process to Lightning ----------------------------------------------------------
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return torch.device("cpu")
-
-    @property
-    @override
-    def global_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def local_rank(self) -> int:
-        return 0
-
-    @property
-    @override
-    def node_rank(self) -> int:
-        return 0
+    # ----- one process to Lightning (see _OneProcess) -----------------------------------------
 
     @property
     @override
     def world_size(self) -> int:
         return self.num_workers
-
-    @property
-    def is_distributed(self) -> bool:
-        """The controller is one process; the distribution happens among the workers."""
-        return False
-
-    @override
-    def model_to_device(self) -> None:
-        """The controller's module is a CPU mirror; the workers move theirs."""
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        """The controller is the only process of the program that calls it, so there is nobody to wait
-        for; each worker's own Lightning waits at its own barriers, among the workers."""
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Rank 0's ``obj`` is the controller's own (it runs the loop and its callbacks as rank 0
-        does), so broadcasting from rank 0 gives every rank, and the caller, ``obj``; the controller
-        has no other rank's value to give."""
-        if src != 0:
-            raise RuntimeError(
-                f"`trainer.strategy.broadcast(obj, src={src})` on the controller under strategy='monarch': the"
-                f" controller runs your code once, as rank 0, and has no rank {src} whose value it could take."
-                " Broadcast from rank 0 (`src=0`, which gives the value the controller already has), or run the"
-                " code on the workers, e.g. as a callback given as `lightning_monarch.on_workers(MyCallback())`."
-            )
-        return obj
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
@@ -409,6 +422,18 @@ class MonarchStrategy(ParallelStrategy):
         ``None`` after it."""
         self._stage.attach(session)
 
+    def _record(self, outcome: StageOutcome) -> None:
+        """Runs on the controller, called by the launcher and the features: keep what a stage, or
+        part of it, produced."""
+        self.restarts += outcome.restarts
+        self.world_changes += outcome.world_changes
+        if outcome.sent_bytes is not None:
+            self.sent_bytes = dict(outcome.sent_bytes)
+        if outcome.num_nodes is not None:
+            self._num_nodes = outcome.num_nodes
+        if outcome.rehearsal is not None:
+            self.rehearsal = outcome.rehearsal
+
     def _sharding_for_stage(self, module: LightningModule, ckpt_path: Any) -> Optional[ShardingSpec]:
         """Runs on the controller, called by the launcher before any worker starts: how the workers
         shard ``module``; ``None``, a replica each."""
@@ -454,19 +479,3 @@ class MonarchStrategy(ParallelStrategy):
         undo, self._undo_on_exception = self._undo_on_exception, None
         if undo is not None:
             undo()
-
-
-def _constructor_parameters(cls: type[MonarchStrategy]) -> list[str]:
-    """The named parameters of ``cls``'s constructor, and of each base's constructor that the one
-    below passes ``**kwargs`` on to, down to ``MonarchStrategy``'s; less what Lightning gives
-    (:data:`_LIGHTNING_PARAMETERS`) and what a subclass sets itself (``_fixed_arguments``)."""
-    names: list[str] = []
-    for base in cls.__mro__:
-        if "__init__" not in vars(base):
-            continue
-        parameters = list(inspect.signature(vars(base)["__init__"]).parameters.values())[1:]  # not ``self``
-        names += [parameter.name for parameter in parameters if parameter.kind in _NAMED]
-        if base is MonarchStrategy or all(parameter.kind is not parameter.VAR_KEYWORD for parameter in parameters):
-            break
-    left_out = _LIGHTNING_PARAMETERS | cls._fixed_arguments
-    return [name for name in names if name not in left_out]

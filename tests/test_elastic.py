@@ -434,7 +434,7 @@ def test_the_global_batch_is_kept_where_the_ratio_of_worlds_is_whole(
 ) -> None:
     strategy = MonarchStrategy(keep_global_batch=keep_global_batch)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, accumulate_grad_batches=3, logger=False)
-    elastic = ElasticFit(strategy, trainer, mesh=None)  # type: ignore[arg-type]  # the mesh is not asked
+    elastic = ElasticFit(strategy._settings(), strategy, trainer, mesh=None)  # type: ignore[arg-type]  # the mesh is not asked
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert elastic._accumulation(4, workers) == accumulate

@@ -8,8 +8,9 @@ install step would have changed. ``tests/test_pytorch_lightning.py`` runs the sa
 ``pytorch_lightning``'s namespace.
 
 In the source: imports run one way, from the strategies to the controller (no controller module
-but the install step imports a strategy at run time, no worker module imports the controller or a
-strategy, and no two modules import each other at run time), the rooms of ``controller/`` are
+imports a strategy, even for types, or writes a strategy's attributes: the strategies hand down
+their settings and record the outcomes that come back; no worker module imports the controller or
+a strategy, and no two modules import each other at run time), the rooms of ``controller/`` are
 floors that import only down, and no module is over 500 lines, no class over 400.
 """
 
@@ -101,22 +102,18 @@ def run_time_imports(source: str, for_types: bool = False) -> list[tuple[int, st
 
 
 def strategy_imports(source: str) -> list[tuple[int, str]]:
-    """The run-time imports of ``source`` that reach a strategy's module."""
+    """The imports of ``source`` that reach a strategy's module, those for types included."""
     return [
         (line, name)
-        for line, name in run_time_imports(source)
+        for line, name in run_time_imports(source, for_types=True)
         if name in STRATEGY_MODULES or name in {f"lightning_monarch.{strategy}" for strategy in STRATEGY_NAMES}
     ]
 
 
-def test_no_controller_module_imports_a_strategy_at_run_time() -> None:
-    found = {
-        str(path.relative_to(PACKAGE)): strategy_imports(path.read_text())
-        for path in _modules("controller")
-        if path.name != "install.py"  # the one module that registers the strategies by name
-    }
+def test_no_controller_module_imports_a_strategy() -> None:
+    # the strategies hand the controller's modules their settings (controller/settings.py)
+    found = {str(path.relative_to(PACKAGE)): strategy_imports(path.read_text()) for path in _modules("controller")}
     assert {module: imports for module, imports in found.items() if imports} == {}
-    assert strategy_imports((PACKAGE / "controller" / "install.py").read_text())  # the install step does
 
 
 @pytest.mark.parametrize(
@@ -126,15 +123,58 @@ def test_no_controller_module_imports_a_strategy_at_run_time() -> None:
         "from lightning_monarch import MonarchFSDPStrategy\n",
         "import lightning_monarch.model_parallel\n",
         "import lightning_monarch\n\ndef f():\n    return lightning_monarch.MonarchStrategy\n",
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from lightning_monarch.strategy import MonarchStrategy\n",
     ],
 )
-def test_the_direction_check_finds_a_run_time_import_of_a_strategy(source: str) -> None:
+def test_the_direction_check_finds_an_import_of_a_strategy(source: str) -> None:
     assert strategy_imports(source)
 
 
-def test_the_direction_check_leaves_type_checking_imports_alone() -> None:
-    source = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from lightning_monarch.strategy import MonarchStrategy\n"
-    assert strategy_imports(source) == []
+#: Attributes of a strategy that controller modules may set: Lightning's own, which its loop sets
+#: on any strategy (``Strategy.setup_optimizers``), set on the controller as Lightning would.
+LIGHTNINGS_STRATEGY_ATTRIBUTES = frozenset({"lr_scheduler_configs"})
+
+
+def strategy_writes(source: str) -> list[tuple[int, str]]:
+    """The assignments of ``source`` to an attribute of something named a strategy (``strategy.x``,
+    ``self._strategy.x``, ``trainer.strategy.x``, ``setattr(strategy, ...)``), with their line."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and node.args:
+            if ast.unparse(node.args[0]).endswith("strategy"):
+                found.append((node.lineno, ast.unparse(node)))
+        for target in targets:
+            if (
+                isinstance(target, ast.Attribute)
+                and ast.unparse(target.value).endswith("strategy")
+                and target.attr not in LIGHTNINGS_STRATEGY_ATTRIBUTES
+            ):
+                found.append((node.lineno, ast.unparse(target)))
+    return found
+
+
+def test_no_controller_module_writes_a_strategys_attributes() -> None:
+    # what the launcher and the features produce goes back as a StageOutcome, which the strategy records
+    found = {str(path.relative_to(PACKAGE)): strategy_writes(path.read_text()) for path in _modules("controller")}
+    assert {module: writes for module, writes in found.items() if writes} == {}
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "strategy.num_nodes = 2\n",
+        "def f(self):\n    self._strategy.world_changes += 1\n",
+        "trainer.strategy._host_mesh: object = None\n",
+        "setattr(self._strategy, 'restarts', 1)\n",
+    ],
+)
+def test_the_write_check_finds_a_strategys_attribute_set(source: str) -> None:
+    assert strategy_writes(source)
 
 
 #: The rooms of ``controller/`` as floors, top first: a module imports its own floor and those below.

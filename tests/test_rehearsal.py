@@ -213,17 +213,17 @@ def test_the_rehearsals_strategy_is_the_runs_without_restarts_or_elastic_trainin
     strategy = MonarchStrategy(
         max_restarts=2, max_ahead=4, step_timeout=60.0, rehearse=True, find_unused_parameters=True
     )
-    twin = rehearsal_twin(strategy)
+    twin = rehearsal_twin(strategy._settings())
     assert type(twin) is MonarchStrategy and twin._rehearsing and not strategy._rehearsing
     assert twin._arguments() == {**strategy._arguments(), "max_restarts": 0, "rehearse": False}
     sharded = MonarchFSDPStrategy(fsdp_policy={torch.nn.Linear}, cpu_offload=True, keep_warm=False)
-    sharded_twin = rehearsal_twin(sharded)
+    sharded_twin = rehearsal_twin(sharded._settings())
     assert type(sharded_twin) is MonarchFSDPStrategy
     assert sharded_twin._arguments() == {**sharded._arguments(), "keep_warm": True}  # the run takes its mesh
     two_d = MonarchModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=2, save_distributed_checkpoint=False
     )
-    two_d_twin = rehearsal_twin(two_d)
+    two_d_twin = rehearsal_twin(two_d._settings())
     assert type(two_d_twin) is MonarchModelParallelStrategy and two_d_twin._arguments() == two_d._arguments()
 
 
@@ -241,10 +241,10 @@ class DropsItsArgument(MonarchStrategy):
 def test_a_subclass_argument_goes_to_the_twin_or_its_absence_is_named() -> None:
     """The twin is made from the constructors' signatures: a user's subclass's own argument comes
     along, and one the subclass did not keep as an attribute is named with the fix."""
-    twin = rehearsal_twin(KeepsItsArgument(label="run-7", max_ahead=2))
+    twin = rehearsal_twin(KeepsItsArgument(label="run-7", max_ahead=2)._settings())
     assert type(twin) is KeepsItsArgument and twin.label == "run-7" and twin.max_ahead == 2
     with pytest.raises(AttributeError, match=r"`DropsItsArgument\(label=\.\.\.\)`: .* \(`self.label = label`\)"):
-        rehearsal_twin(DropsItsArgument(label="run-7"))
+        rehearsal_twin(DropsItsArgument(label="run-7")._settings())
 
 
 def test_the_rehearsals_copies_leave_the_trainers_out() -> None:

@@ -7,12 +7,16 @@ the user wrote it, what it must be and, where one fits, an example.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+
+#: The kinds of parameter a caller names.
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def whole_number(
@@ -125,3 +129,28 @@ def ddp_kwargs(kwargs: dict[str, Any], accepted: frozenset[str], sharded_options
             f" Accepted: {sorted(accepted)}."
         )
     return kwargs
+
+
+def constructor_arguments(obj: Any, top: type, bottom: type, left_out: frozenset[str]) -> dict[str, Any]:
+    """The arguments ``obj`` was made with, read from its attributes of the same names: the named
+    parameters of ``top``'s constructor, and of each base's constructor that the one above passes
+    ``**kwargs`` on to, down to ``bottom``'s; less ``left_out``. ``AttributeError`` names the
+    parameters that ``obj`` keeps no attribute of."""
+    names: list[str] = []
+    for base in top.__mro__:
+        if "__init__" not in vars(base):
+            continue
+        parameters = list(inspect.signature(vars(base)["__init__"]).parameters.values())[1:]  # not ``self``
+        names += [
+            parameter.name for parameter in parameters if parameter.kind in _NAMED and parameter.name not in left_out
+        ]
+        if base is bottom or all(parameter.kind is not parameter.VAR_KEYWORD for parameter in parameters):
+            break
+    missing = [name for name in names if not hasattr(obj, name)]
+    if missing:
+        raise AttributeError(
+            f"`{type(obj).__name__}({', '.join(f'{name}=...' for name in missing)})`: a rehearsal makes a copy of"
+            " the strategy from its constructor's arguments, read from the attributes of the same names. Keep each"
+            f" argument as one (`self.{missing[0]} = {missing[0]}`)."
+        )
+    return {name: getattr(obj, name) for name in names}

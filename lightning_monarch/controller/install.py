@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch import errors, namespaces
 from lightning_monarch.controller import interpreter_exit
-
-if TYPE_CHECKING:
-    from lightning_monarch.strategy import MonarchStrategy
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +28,13 @@ log = logging.getLogger(__name__)
 SUPERVISION_POLL = ("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
 
 _installed = False
+#: The strategies the install step registered.
+_registered: tuple[type, ...] = ()
 
 
-def install() -> None:
-    """Make this process a controller:
+def install(strategies: Callable[[], tuple[type, ...]]) -> None:
+    """Make this process a controller, with the strategy classes ``strategies()`` imports (after
+    step 1, since they import Monarch):
 
     1. Monarch's supervision polls every second (:data:`SUPERVISION_POLL`, unless set already);
     2. Monarch's ``unhandled_fault_hook``, whose default exits the process, only logs
@@ -48,7 +49,7 @@ def install() -> None:
     7. the same for ``pytorch_lightning``'s Trainer, by importing ``lightning_monarch.pl``, as soon
        as ``pytorch_lightning`` is imported (:func:`lightning_monarch.namespaces.import_after`).
     """
-    global _installed
+    global _installed, _registered
     if _installed:
         return
     os.environ.setdefault(*SUPERVISION_POLL)
@@ -58,22 +59,13 @@ def install() -> None:
 
     monarch.actor.unhandled_fault_hook = _log_fault
     interpreter_exit.guard()
-    for strategy in _strategies():
-        strategy.register_strategies(StrategyRegistry)
+    _registered = strategies()
+    for strategy in _registered:
+        strategy.register_strategies(StrategyRegistry)  # type: ignore[attr-defined]
     lightning_compat.route_accelerator(_check_flags)
     errors.count_as_misconfiguration(MisconfigurationException)
     _installed = True
     namespaces.import_after(namespaces.PYTORCH_LIGHTNING.pytorch, namespaces.PYTORCH_LIGHTNING.package)
-
-
-def _strategies() -> tuple[type[MonarchStrategy], ...]:
-    """The strategies this package registers, each under its ``strategy_name`` (imported here,
-    when the install step runs: they import the controller's modules)."""
-    from lightning_monarch.fsdp import MonarchFSDPStrategy
-    from lightning_monarch.model_parallel import MonarchModelParallelStrategy
-    from lightning_monarch.strategy import MonarchStrategy
-
-    return MonarchStrategy, MonarchModelParallelStrategy, MonarchFSDPStrategy
 
 
 def _log_fault(failure: Any) -> None:
@@ -113,14 +105,9 @@ def _refuse_other_namespace(strategy: Any) -> None:
 def _route_gpu_to_workers(strategy: Any, accelerator: Any) -> Any:
     """Under ``strategy="monarch"``, ``accelerator="gpu"``/``"cuda"`` names the workers' GPUs."""
     from lightning_monarch.controller.launch.accelerator import WorkerGPUAccelerator
-    from lightning_monarch.strategy import MonarchStrategy
 
-    named = any(strategy in {registered.strategy_name, *registered.aliases} for registered in _strategies())
-    if (
-        (named or isinstance(strategy, MonarchStrategy))
-        and isinstance(accelerator, str)
-        and accelerator in ("gpu", "cuda")
-    ):
+    named = any(strategy in {registered.strategy_name, *registered.aliases} for registered in _registered)  # type: ignore[attr-defined]
+    if (named or isinstance(strategy, _registered)) and isinstance(accelerator, str) and accelerator in ("gpu", "cuda"):
         WorkerGPUAccelerator.check_available(accelerator)
         return WorkerGPUAccelerator()
     return accelerator

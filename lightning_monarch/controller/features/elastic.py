@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, NoReturn, Optional, Union
+from collections.abc import Callable
+from typing import Any, NoReturn, Optional, TypeVar, Union
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
@@ -40,15 +41,15 @@ from lightning_monarch.controller.mesh.hosts import (
     worker_addresses,
 )
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
+from lightning_monarch.controller.settings import StageOutcome, StrategyHooks, StrategySettings
 from lightning_monarch.errors import HostsLostError, UnreachableHostsError
 from lightning_monarch.memory_files import MemoryFile
 from lightning_monarch.wire.codec import pack
 from lightning_monarch.wire.specs import StageSpec
 
-if TYPE_CHECKING:
-    from lightning_monarch.strategy import MonarchStrategy
-
 log = logging.getLogger(__name__)
+#: What a stage's run returns.
+Result = TypeVar("Result")
 
 #: The metrics each world change logs to the controller's loggers, at the step the run resumes from.
 WORLD_SIZE_METRIC = "monarch/world_size"
@@ -130,12 +131,14 @@ class ElasticFit:
     """Runs on the controller, for one ``fit`` under ``MonarchStrategy(min_nodes=...)``: keeps its
     resume points; when hosts are lost, shrinks the mesh and the Trainer's world to the surviving
     hosts (or raises when fewer than ``min_nodes`` remain); when lost hosts serve again, grows them
-    back at the next resume point; at the end, gives the strategy and Trainer back their own settings."""
+    back at the next resume point; at the end, gives the strategy and Trainer back their own settings.
+    The strategy learns of each change through ``hooks`` (``StageOutcome``)."""
 
-    def __init__(self, strategy: MonarchStrategy, trainer: Trainer, mesh: WorkerMesh) -> None:
-        self._strategy, self._trainer, self._mesh = strategy, trainer, mesh
+    def __init__(self, settings: StrategySettings, hooks: StrategyHooks, trainer: Trainer, mesh: WorkerMesh) -> None:
+        self._settings, self._hooks, self._trainer, self._mesh = settings, hooks, trainer, mesh
         self.resume_points = ResumePoints()
-        self._num_nodes = strategy.num_nodes
+        #: How many hosts the world has now.
+        self.num_nodes = settings.num_nodes
         self._accumulate = trainer.accumulate_grad_batches
         self._warned = False
         #: Addresses not asked again: those that accepted a connection but did not answer as a
@@ -147,7 +150,7 @@ class ElasticFit:
     def lost_host_check(self) -> LostHostCheck:
         """How the stage's channel tells a lost host: the strategy's ``connect_timeout``, and the
         worker addresses its ``hosts`` names when the check runs."""
-        return LostHostCheck(self._strategy.connect_timeout, lambda: known_addresses(self._strategy.hosts))
+        return LostHostCheck(self._settings.connect_timeout, lambda: known_addresses(self._settings.hosts))
 
     def at_resume_point(self, trainer: Trainer) -> None:
         """Runs at each snapshot gate, where the workers wait: keep the resume point; raise
@@ -164,7 +167,7 @@ class ElasticFit:
         raise ``PreemptionNoticed`` naming the hosts."""
         self.resume_points.keep_batch_end(trainer)
         hosts, ranks = self._mesh.noticed()
-        addresses = worker_addresses(self._strategy.hosts) or []
+        addresses = worker_addresses(self._settings.hosts) or []
         self._refused.update(addresses[slot] for slot in hosts if slot < len(addresses))
         raise PreemptionNoticed(hosts, self._mesh.num_slots, ranks)
 
@@ -172,7 +175,7 @@ class ElasticFit:
         """The lost hosts that serve workers again, connected: of the worker addresses that
         ``hosts`` names now (a list, or a function that returns one), those of lost slots that
         accept a connection and answer as a Monarch host within ``connect_timeout``."""
-        addresses = worker_addresses(self._strategy.hosts) or []
+        addresses = worker_addresses(self._settings.hosts) or []
         lost = [slot for slot in range(len(addresses)) if slot not in self._mesh.slots]
         returned = {}
         for slot in lost:
@@ -180,7 +183,7 @@ class ElasticFit:
             if address in self._refused or not reachable(address):
                 continue
             try:
-                returned[slot] = host_mesh([address], 1, self._strategy._gpus_per_host, self._strategy.connect_timeout)
+                returned[slot] = host_mesh([address], 1, self._settings.gpus_per_host, self._settings.connect_timeout)
             except UnreachableHostsError:
                 self._refused.add(address)
                 log.warning(
@@ -191,7 +194,7 @@ class ElasticFit:
                     " addresses.",
                     slot,
                     address,
-                    self._strategy.connect_timeout,
+                    self._settings.connect_timeout,
                 )
         return returned
 
@@ -212,7 +215,7 @@ class ElasticFit:
     def _go_on_without(self, cause: Union[HostsLostError, PreemptionNoticed], what: str, alive: bool = False) -> None:
         """Shrink the mesh and the Trainer's world to the hosts that ``cause`` leaves, or raise
         ``HostsLostError`` when fewer than ``min_nodes`` remain; ``alive``: the hosts left out still serve."""
-        min_nodes = self._strategy.min_nodes or 0
+        min_nodes = self._settings.min_nodes or 0
         remaining = [slot for slot in self._mesh.slots if slot not in cause.hosts]
         if len(remaining) < min_nodes:
             raise HostsLostError(
@@ -237,6 +240,28 @@ class ElasticFit:
         self._mesh.grow(returned.hosts)
         self._changed(f"host(s) {sorted(returned.hosts)} serve workers again", returned.detected_at)
 
+    def run(
+        self,
+        attempt: Callable[[StageSpec], Result],
+        spec: StageSpec,
+        again: Callable[[], StageSpec],
+        arguments: dict[str, Any],
+    ) -> Result:
+        """Run the ``fit``: ``attempt`` its ``spec`` in this world, until the world stops changing.
+        After each change (hosts lost, hosts back, a preemption notice) the ``fit``'s ``arguments``
+        point at the latest resume point, and the next attempt runs the spec ``again()`` makes then."""
+        while True:
+            try:
+                return attempt(self.prepared(spec))
+            except HostsLostError as lost:
+                self.shrink(lost)
+            except HostsReturned as returned:
+                self.grow(returned)
+            except PreemptionNoticed as noticed:
+                self.leave(noticed)
+            self.resume(arguments)
+            spec = again()
+
     def resume(self, arguments: dict[str, Any]) -> None:
         """Point the stage's ``ckpt_path`` at the latest resume point, where the controller's Trainer
         resumes; before the first, the stage runs again from where the ``fit`` started."""
@@ -256,12 +281,11 @@ class ElasticFit:
     def _changed(self, what: str, detected_at: float) -> None:
         """The world changed: the Trainer's settings for it, the count, the log line, the loggers' metrics."""
         self.changed = True
-        hosts = len(self._mesh.slots)
-        self._strategy.num_nodes = hosts
+        hosts = self.num_nodes = len(self._mesh.slots)
+        self._hooks._record(StageOutcome(world_changes=1, num_nodes=hosts))
         workers = self._mesh.num_workers
-        accumulate = self._accumulation(self._num_nodes * workers // hosts, workers)
+        accumulate = self._accumulation(self._settings.num_nodes * workers // hosts, workers)
         self._trainer.accumulate_grad_batches = accumulate
-        self._strategy.world_changes += 1
         where, step = self.resume_points.latest or ("the start of the stage", self._trainer.global_step)
         for logger in self._trainer.loggers:
             logger.log_metrics({WORLD_SIZE_METRIC: workers, ACCUMULATION_METRIC: accumulate}, step)
@@ -281,7 +305,7 @@ class ElasticFit:
     def _accumulation(self, full_world: int, world: int) -> int:
         """The user's ``accumulate_grad_batches``, grown to keep the global batch of ``full_world``
         workers in ``world``, where ``keep_global_batch`` asks for it and the ratio is whole."""
-        if not self._strategy.keep_global_batch:
+        if not self._settings.keep_global_batch:
             return self._accumulate
         if full_world % world == 0:
             return self._accumulate * full_world // world
@@ -298,6 +322,6 @@ class ElasticFit:
     def restore(self) -> None:
         """The ``fit`` ended: the strategy and Trainer take back their own number of nodes and
         accumulation, so that a later stage asks for the whole mesh again."""
-        self._strategy.num_nodes = self._num_nodes
+        self._hooks._record(StageOutcome(num_nodes=self._settings.num_nodes))
         self._trainer.accumulate_grad_batches = self._accumulate
         self.resume_points.remove()

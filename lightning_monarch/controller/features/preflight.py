@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
+from lightning_monarch.controller.settings import settings_of
 from lightning_monarch.errors import PreflightError
 from lightning_monarch.wire.reports import WorkerReport
 from lightning_monarch.wire.specs import PreflightSpec, versions
-
-if TYPE_CHECKING:
-    from lightning_monarch.strategy import MonarchStrategy
 
 
 def check(
@@ -120,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def run(args: argparse.Namespace, strategy: MonarchStrategy) -> int:
+def run(args: argparse.Namespace, strategy: Strategy) -> int:
     """Start ``strategy``'s mesh as its Trainer would, check it and print the table: 0 if every
     worker passed, else 1."""
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the Trainer's info lines are noise here
@@ -134,8 +133,9 @@ def run(args: argparse.Namespace, strategy: MonarchStrategy) -> int:
     trainer = L.Trainer(
         strategy=strategy, accelerator=args.accelerator, devices=args.devices, num_nodes=num_nodes, logger=False
     )
-    assert trainer.strategy is strategy  # the Trainer keeps the strategy instance it was given
-    key = strategy._mesh_key()
+    settings = settings_of(trainer.strategy)
+    assert settings is not None  # the Trainer keeps the Monarch strategy it was given
+    key = settings.mesh_key()
     mesh = MESHES.acquire(key)
     try:
         print(f"Starting {mesh.num_workers} worker(s) and checking them ...", flush=True)

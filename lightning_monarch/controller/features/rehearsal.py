@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import os
 import tempfile
@@ -24,7 +25,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Protocol, cast, runtime_checkable
+from typing import Any, Optional, cast
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -34,11 +35,12 @@ from lightning_monarch import namespaces
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch._compat import loops as loops_compat
 from lightning_monarch.controller import arguments
+from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
+from lightning_monarch.controller.settings import StrategySettings, settings_of
 from lightning_monarch.errors import RehearsalError, WorkerError
 from lightning_monarch.wire.reports import RankStats
 
-if TYPE_CHECKING:
-    from lightning_monarch.strategy import MonarchStrategy
+log = logging.getLogger(__name__)
 
 #: Optimizer steps a rehearsal runs by default: the first (start-up, allocation of the optimizer's
 #: state) and enough after it for a median step time.
@@ -141,35 +143,26 @@ class RehearsalReport:
         return "\n".join(lines)
 
 
-@runtime_checkable
-class _OnWorkerMesh(Protocol):
-    """What a rehearsal needs of the Trainer's strategy: a Monarch strategy (``MonarchStrategy`` or
-    a subclass), known by what it has, since the controller's modules do not import the strategies."""
-
-    worker_accelerator: str
-    num_nodes: int
-
-    def _arguments(self) -> dict[str, Any]: ...
-
-    def _devices_argument(self) -> Any: ...
-
-
-def rehearsal_twin(strategy: MonarchStrategy) -> MonarchStrategy:
-    """A strategy like ``strategy`` for a rehearsal's Trainer: on the same hosts (their
+def rehearsal_twin(settings: StrategySettings) -> Any:
+    """A strategy like the one of ``settings`` for a rehearsal's Trainer: on the same hosts (their
     ``HostMesh``, so that both take the same warm mesh), kept warm for the run that follows,
     without restarts, elastic training or a rehearsal of its own."""
-    twin = type(strategy)(
-        **{
-            **strategy._arguments(),
-            "hosts": strategy._host_mesh,
-            "max_restarts": 0,
-            "min_nodes": None,
-            "keep_warm": True,
-            "rehearse": False,
-        }
-    )
-    twin._rehearsing = True
-    return twin
+    return settings.twin(hosts=settings.host_mesh, max_restarts=0, min_nodes=None, keep_warm=True, rehearse=False)
+
+
+def ready_again(error: BaseException, mesh: WorkerMesh) -> bool:
+    """After a failed rehearsal: whether its workers can run the next stage as they are, with a
+    new process group (``WorkerMesh.reset_world``), because an exception ended the stage on every
+    rank (an out-of-memory error does on identical replicas). A rank still waiting in a collective,
+    or a dead one, means the mesh is stopped, as after any failed stage."""
+    if not isinstance(error, WorkerError) or not mesh.stages_ended():
+        return False
+    try:
+        mesh.reset_world()
+    except Exception as failure:  # stop it, as after any failed stage
+        log.warning("The workers of the failed rehearsal could not form a new process group: %s", failure)
+        return False
+    return True
 
 
 def rehearse(
@@ -188,11 +181,11 @@ def rehearse(
     part of the host's: the host's memory over its workers). A rehearsal that fails raises ``RehearsalError``, naming the rank, the hook
     and its memory then. The ``fit`` that follows gives exactly what it gives without a rehearsal."""
     namespaces.refuse_other_namespace("rehearse", trainer, __name__)
-    strategy = trainer.strategy
-    if not isinstance(strategy, _OnWorkerMesh):
+    settings = settings_of(trainer.strategy)
+    if settings is None:
         raise TypeError(
             f"`lightning_monarch.rehearse(trainer, ...)` rehearses on Monarch workers, but the Trainer's strategy is"
-            f" {type(strategy).__name__}. Build the Trainer with `strategy='monarch'`."
+            f" {type(trainer.strategy).__name__}. Build the Trainer with `strategy='monarch'`."
         )
     steps = arguments.whole_number("rehearse", "steps", steps, 2, of="optimizer steps")
     limit = arguments.number(
@@ -201,10 +194,10 @@ def rehearse(
     probe = _Probe()
     accumulate = trainer.accumulate_grad_batches
     rehearsal = Trainer(
-        strategy=rehearsal_twin(strategy),  # type: ignore[arg-type]  # a Monarch strategy, as checked
-        accelerator="gpu" if strategy.worker_accelerator == "cuda" else "cpu",
-        devices=strategy._devices_argument(),
-        num_nodes=strategy.num_nodes,
+        strategy=rehearsal_twin(settings),
+        accelerator="gpu" if settings.worker_accelerator == "cuda" else "cpu",
+        devices=settings.devices_argument,
+        num_nodes=settings.num_nodes,
         precision=str(trainer.precision),  # type: ignore[arg-type]
         **{
             **lightning_compat.trainer_flags(trainer),
