@@ -128,9 +128,9 @@ class StageLoop:
         self._parked = False
         self._credit_waiting = False
         self._ended: Optional[Entry] = None
-        #: Batch starts this stage (R4), and how many of them the controller has taken.
+        #: Batch starts this stage (R4), and how many of them the controller has granted (taken).
         self._started = 0
-        self._taken = 0
+        self._granted_batches = 0
         #: When the last batch started, and how long after the one before it (rank 0's fetch lingers
         #: only while batches start less than :data:`FETCH_LINGER_S` apart).
         self._batch_started_at: Optional[float] = None
@@ -202,12 +202,12 @@ class StageLoop:
         lock): a release, parked at a sync gate, or credit, before a batch."""
         if self._parked:
             return not any(isinstance(item, Release) for item in self._inbox)
-        return self._credit_waiting and self._started >= self._taken + (self._plan.max_ahead or 0)
+        return self._credit_waiting and self._started >= self._granted_batches + (self._plan.max_ahead or 0)
 
     def grant(self, grant: Grant) -> None:
         """Runs on the endpoint thread: the controller took ``grant.batches`` batch starts."""
         with self._cond:
-            self._taken = max(self._taken, grant.batches)
+            self._granted_batches = max(self._granted_batches, grant.batches)
             self._cond.notify_all()
 
     def release(self, release: Release) -> None:
@@ -370,7 +370,7 @@ class StageLoop:
             if limit and credit:
                 self._credit_waiting = True
                 self._cond.notify_all()
-                self._cond.wait_for(lambda: self._started < self._taken + limit)
+                self._cond.wait_for(lambda: self._started < self._granted_batches + limit)
                 self._credit_waiting = False
             self._started += 1
             now = time.monotonic()

@@ -45,9 +45,9 @@ class WorkerStorages:
         self._held: dict[StorageKey, torch.UntypedStorage] = {}
         #: Rank 0: the storages the controller sent in a message for the next stage.
         self._received: dict[StorageKey, torch.UntypedStorage] = {}
-        #: This stage's storages by key, and which of them its objects took already.
+        #: This stage's storages by key, and which of them its objects claimed already.
         self._stage: dict[StorageKey, torch.UntypedStorage] = {}
-        self._taken: set[StorageKey] = set()
+        self._claimed: set[StorageKey] = set()
         #: What the stage's objects were given, to hold after it if they still live.
         self._given: list[weakref.ref[torch.UntypedStorage]] = []
         #: The storages that map the controller's memory file, by address, while they live.
@@ -86,7 +86,7 @@ class WorkerStorages:
                 " counted as held there (a bug in lightning_monarch)."
             )
         self._stage = {key: storage for key, storage in zip(keys, found, strict=True) if storage is not None}
-        self._taken = set()
+        self._claimed = set()
 
     def take(self, parcel: Parcel, hold: bool = True) -> list[torch.UntypedStorage]:
         """The storages to open ``parcel`` with, in the order of its keys: each the first time a
@@ -96,9 +96,9 @@ class WorkerStorages:
         storages = []
         for key in parcel.keys:
             storage = self._stage[key]
-            if key in self._taken:
+            if key in self._claimed:
                 storage = storage.clone()
-            self._taken.add(key)
+            self._claimed.add(key)
             if hold:
                 self._given.append(weakref.ref(storage))
             storages.append(storage)
@@ -106,7 +106,7 @@ class WorkerStorages:
 
     def end_of_stage(self) -> None:
         """The stage's objects were built: it no longer needs its storages by key."""
-        self._stage, self._taken = {}, set()
+        self._stage, self._claimed = {}, set()
 
     def hold(self, module: Optional[nn.Module]) -> tuple[StorageKey, ...]:
         """After a stage that ran to its end: hold the storages its objects were given and still

@@ -31,7 +31,7 @@ class EntryQueue:
         #: Where the controller's loop is, for the error of a loop that waits for the workers' wait.
         self._where = where
         self._entries: deque[Entry] = deque()
-        self._taken = 0
+        self._batch_starts = 0
         self._granted = 0
 
     def first(self, ending: bool) -> Entry:
@@ -70,15 +70,15 @@ class EntryQueue:
 
     def took_batch(self) -> None:
         """The controller's loop took a batch's start: grant the workers credit once a step of it is due."""
-        self._taken += 1
-        if self._taken - self._granted >= (max(1, self._max_ahead // 2) if self._max_ahead else 1 << 30):
+        self._batch_starts += 1
+        if self._batch_starts - self._granted >= (max(1, self._max_ahead // 2) if self._max_ahead else 1 << 30):
             self.grant()
 
     def grant(self) -> None:
         """Let the workers run ahead by as many batches as the controller's loop has taken (R4)."""
-        if self._max_ahead and self._taken > self._granted:
-            self._granted = self._taken
-            self._channel.grant(self._taken)
+        if self._max_ahead and self._batch_starts > self._granted:
+            self._granted = self._batch_starts
+            self._channel.grant(self._batch_starts)
 
     def whole_batch(self, start: str) -> Optional[int]:
         """How many entries the next batch has, if the fetched entries hold all of it and the next

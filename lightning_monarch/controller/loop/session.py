@@ -122,7 +122,7 @@ class StageSession:
         # Results of hooks the workers ran inside another hook, for the controller to take when its
         # own loop calls that hook later (``estimated_stepping_batches`` in ``configure_optimizers``
         # makes a worker build its train dataloader early).
-        self._ahead: dict[str, deque[Any]] = {}
+        self._early_results: dict[str, deque[Any]] = {}
         self._eval_outputs: deque[dict[str, Any]] = deque()
         #: The last entry whose arrival fields were taken.
         self._arrived: Optional[Entry] = None
@@ -175,8 +175,8 @@ class StageSession:
         """Runs at every gated hook call on the controller (R2, R3, R7)."""
         if self._nested_results is not None:
             return self._nested(gate, fn, args, kwargs)
-        if self._ahead.get(gate):
-            return self._materialize(gate, self._ahead[gate].popleft())
+        if self._early_results.get(gate):
+            return self._materialize(gate, self._early_results[gate].popleft())
         self._leave()
         entry = self._take(gate)
         if gate == "callback.on_train_start":
@@ -192,7 +192,7 @@ class StageSession:
             return self._base(gate, fn)(*args, **kwargs)
         finally:
             for nested_gate, value in self._nested_results:
-                self._ahead.setdefault(nested_gate, deque()).append(value)
+                self._early_results.setdefault(nested_gate, deque()).append(value)
             self._nested_results = None
 
     def _base(self, gate: str, fn: Callable[..., Any]) -> Callable[..., Any]:

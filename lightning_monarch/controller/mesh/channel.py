@@ -66,9 +66,9 @@ class StageChannel:
         self._origin = "the start of the stage"
         #: Entries rank 0 recorded this stage, and batch starts the session took (R4).
         self.received = 0
-        self._taken = 0
+        self._granted_batches = 0
         #: Entries a recovery's new workers recorded beyond where the old ones were.
-        self._ahead: list[Entry] = []
+        self._recorded_beyond: list[Entry] = []
 
     def start(self) -> None:
         """Build every rank's Trainer for the stage and start its loop (a failure raises), counting
@@ -84,7 +84,7 @@ class StageChannel:
         """Rank 0's next entries (R3), in bulk."""
         while True:
             try:
-                entries, self._ahead = self._ahead or self.mesh.fetch(self.received), []
+                entries, self._recorded_beyond = self._recorded_beyond or self.mesh.fetch(self.received), []
                 break
             except MeshFailureError as failure:
                 self._recover(failure)
@@ -96,7 +96,7 @@ class StageChannel:
 
     def grant(self, batches: int) -> None:
         """The session took ``batches`` batch starts (R4)."""
-        self._taken = batches
+        self._granted_batches = batches
         self.mesh.grant(batches)
 
     def release(self, release: Release) -> None:
@@ -169,14 +169,14 @@ class StageChannel:
             try:
                 self.mesh.replace_processes()
                 self.mesh.start_stage(self._spec, self._shared_memory)
-                self.mesh.grant(self._taken)
+                self.mesh.grant(self._granted_batches)
                 recorded: list[Entry] = []
                 position = 0
                 for at, message in journal:
                     position = self._follow(recorded, position, at)
                     self.mesh.deliver(message)
                 self._follow(recorded, position, len(self._history))
-                self._ahead = recorded
+                self._recorded_beyond = recorded
             except MeshFailureError as again:
                 failure = again
                 continue
