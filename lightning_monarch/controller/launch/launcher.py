@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -22,21 +22,22 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch._compat.torch import tree_flatten
 from lightning_monarch.controller.features import preflight
 from lightning_monarch.controller.features.elastic import ElasticFit
 from lightning_monarch.controller.features.rehearsal import ready_again, rehearse
 from lightning_monarch.controller.launch.stage_inputs import LOADER_STAGES, TRAINER_FN, StageInputs
 from lightning_monarch.controller.loop.callbacks import CallbackPlacement, set_aside_refused
+from lightning_monarch.controller.loop.mirrors import silence_on_exception, skip_teardown_once
 from lightning_monarch.controller.loop.session import StageSession
 from lightning_monarch.controller.mesh.cells import blocks_the_cell
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.pool import MESHES
-from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
 from lightning_monarch.controller.settings import StageOutcome, StrategyHooks, StrategySettings
-from lightning_monarch.wire.gates import install_hook_gates
-from lightning_monarch.wire.specs import StageSpec
+
+if TYPE_CHECKING:
+    from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
+    from lightning_monarch.wire.specs import StageSpec
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class MonarchLauncher(lightning_compat.Launcher):
         if stage == "fit" and settings.rehearse:
             self._rehearse(trainer, module, datamodule, inputs.loaders)
 
-        silence = _silence_on_exception(datamodule)
+        silence = silence_on_exception(datamodule)
         key = settings.mesh_key()
         mesh = MESHES.acquire(key)
         mesh.step_timeout = settings.step_timeout
@@ -118,10 +119,7 @@ class MonarchLauncher(lightning_compat.Launcher):
                 session, result = elastic.run(attempt, spec, lambda: inputs.spec(elastic.num_nodes), inputs.arguments)
             warned.show_every_rank(mesh.take_warnings())
             if stage == "predict" and result is not None:
-                batch_sizes = [
-                    getattr(loader, "batch_size", None) for loader in tree_flatten(trainer.predict_dataloaders)[0]
-                ]
-                result = session.predictions.in_dataset_order(len(trainer.num_predict_batches), batch_sizes)
+                result = session.predictions.as_predicted_by(trainer)
             if session.final_state is not None:
                 placement.take_back(session.final_state.callbacks)
             ended_cleanly = True
@@ -143,7 +141,7 @@ class MonarchLauncher(lightning_compat.Launcher):
             if silence is not None:
                 silence()
         # Lightning's handler of its tuner's exit tears the ``fit`` down here, after the workers did
-        _skip_teardown_once(module, datamodule)
+        skip_teardown_once(module, datamodule)
         raise session.tuner_exit
 
     def _run_stage(
@@ -222,24 +220,3 @@ def _show_held_warnings(warned: WorkerWarnings, mesh: Any) -> None:
         warned.show_every_rank(mesh.take_warnings())
     except Exception as error:
         log.debug("The workers' warnings after a failed stage could not be shown: %s", error)
-
-
-def _skip(gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-    """The datamodule's ``on_exception`` ran on the worker that failed; it must not run here too."""
-
-
-def _skip_teardown_once(*objects: Any) -> None:
-    """Let the next ``teardown`` of each of ``objects`` (the module, the datamodule) do nothing: it
-    ran on the workers, where they were set up, and the controller's mirrors hold nothing to tear
-    down. For the teardown that Lightning's handler of ``Tuner.lr_find``'s exit runs, outside the
-    stage's gates."""
-    for obj in objects:
-        if obj is not None:
-            undo: list[Callable[[], None]] = []
-            undo.append(install_hook_gates(obj, "controller", ["teardown"], lambda *args, undo=undo: undo[0]()))
-
-
-def _silence_on_exception(datamodule: Optional[LightningDataModule]) -> Optional[Callable[[], None]]:
-    if datamodule is None:
-        return None
-    return install_hook_gates(datamodule, "controller", ["on_exception"], _skip)

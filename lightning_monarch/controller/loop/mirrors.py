@@ -3,6 +3,8 @@
 Runs on the controller. Lightning's loop on the controller needs optimizers, LR schedulers and
 dataloaders to exist; these mirrors give it what it reads (hyperparameters for
 ``LearningRateMonitor``, lengths for the loop) and never hold parameters, gradients or samples.
+The controller's module and datamodule skip the hooks that ran on the workers outside a stage's
+gates (a failed stage's ``on_exception``, the ``teardown`` after ``Tuner.lr_find``'s exit).
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional, cast
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from typing_extensions import override
 
 from lightning_monarch._compat.torch import tree_flatten, tree_unflatten
+from lightning_monarch.wire.gates import install_hook_gates
 from lightning_monarch.wire.reports import CheckpointState
 from lightning_monarch.wire.specs import LoaderRef, OptimizerRef, SchedulerConfigRef, SchedulerRef
 
@@ -254,3 +257,26 @@ def optimizer_mirrors(description: Any, closure_runs: Callable[[], int], state: 
         return ref
 
     return tree_unflatten([mirror(ref) for ref in refs], spec)
+
+
+def _skip(gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """The datamodule's ``on_exception`` ran on the worker that failed; it must not run here too."""
+
+
+def skip_teardown_once(*objects: Any) -> None:
+    """Let the next ``teardown`` of each of ``objects`` (the module, the datamodule) do nothing: it
+    ran on the workers, where they were set up, and the controller's mirrors hold nothing to tear
+    down. For the teardown that Lightning's handler of ``Tuner.lr_find``'s exit runs, outside the
+    stage's gates."""
+    for obj in objects:
+        if obj is not None:
+            undo: list[Callable[[], None]] = []
+            undo.append(install_hook_gates(obj, "controller", ["teardown"], lambda *args, undo=undo: undo[0]()))
+
+
+def silence_on_exception(datamodule: Optional[LightningDataModule]) -> Optional[Callable[[], None]]:
+    """Let the controller's ``datamodule`` skip ``on_exception`` until the returned undo is called:
+    a stage's failure ran it on the worker that failed. ``None`` without a datamodule."""
+    if datamodule is None:
+        return None
+    return install_hook_gates(datamodule, "controller", ["on_exception"], _skip)

@@ -11,6 +11,7 @@ from collections import defaultdict
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_monarch._compat.torch import tree_flatten, tree_unflatten
@@ -27,6 +28,12 @@ class PredictionCollector:
         """One batch step's outputs, one shard per rank."""
         for shard in shards:
             self._shards[shard.dataloader_idx].append(shard)
+
+    def as_predicted_by(self, trainer: Trainer) -> list[Any]:
+        """The predictions as ``trainer.predict`` returns them, for its predict dataloaders."""
+        loaders = tree_flatten(trainer.predict_dataloaders)[0]
+        batch_sizes = [getattr(loader, "batch_size", None) for loader in loaders]
+        return self.in_dataset_order(len(trainer.num_predict_batches), batch_sizes)
 
     def in_dataset_order(self, num_dataloaders: int, batch_sizes: list[Optional[int]]) -> list[Any]:
         """The predictions as ``trainer.predict`` returns them for ``num_dataloaders`` loaders."""
