@@ -29,6 +29,7 @@ from typing import Any, Optional, cast
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
 
 from lightning_monarch import namespaces
@@ -143,7 +144,7 @@ class RehearsalReport:
         return "\n".join(lines)
 
 
-def rehearsal_twin(settings: StrategySettings) -> Any:
+def rehearsal_twin(settings: StrategySettings) -> Strategy:
     """A strategy like the one of ``settings`` for a rehearsal's Trainer: on the same hosts (their
     ``HostMesh``, so that both take the same warm mesh), kept warm for the run that follows,
     without restarts, elastic training or a rehearsal of its own."""

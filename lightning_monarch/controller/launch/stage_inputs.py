@@ -90,13 +90,13 @@ class StageInputs:
         self._settings, self._hooks, self.stage, self._trainer = settings, hooks, stage, trainer
         self.module, self.arguments, self._worker_callbacks = module, arguments, worker_callbacks
         self.datamodule: Optional[LightningDataModule] = arguments.get("datamodule")
-        #: The call's dataloaders, by argument, each as the workers get it.
         self._fed = FedLoaders(
             {name: arguments[name] for name in LOADER_STAGES[stage] if arguments.get(name) is not None},
             len(settings.devices) * settings.num_nodes,
             _handed_at(),
             refuse=self._refuse_feeding(),
         )
+        #: The call's dataloaders, by argument, each as the workers get it.
         self.loaders: dict[str, Any] = self._fed.loaders
 
     def close(self) -> None:
