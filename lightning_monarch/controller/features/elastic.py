@@ -5,7 +5,7 @@ each snapshot gate, the start of every ``snapshot_every_n_epochs``-th training e
 workers wait (:class:`ResumePoints`). When the workers of a host die and no new process starts on
 it within ``connect_timeout`` (``StageChannel`` raises ``HostsLostError``), :class:`ElasticFit`
 shrinks the mesh to the surviving hosts, whose processes are kept and form a new process group,
-and the launcher runs the stage again from the latest resume point, in the same ``fit`` call. At
+and runs the stage again from the latest resume point, in the same ``fit`` call (:meth:`ElasticFit.run`). At
 a later resume point, a lost host that serves again (``HostsReturned``) rejoins the same way.
 A host served by ``lightning-monarch serve`` (``lightning_monarch.host``) that gets SIGTERM, the
 notice a preemptible host gets before it is taken, makes every worker park at the end of the next
@@ -104,7 +104,7 @@ class ResumePoints:
 
 class HostsReturned(Exception):
     """Raised on the controller at a resume point of an elastic ``fit`` when lost hosts serve
-    workers again: it unwinds the controller's loop for the launcher to grow the world there."""
+    workers again: it unwinds the controller's loop for ``ElasticFit.run`` to grow the world there."""
 
     def __init__(self, hosts: dict[int, HostMesh]) -> None:
         super().__init__(f"Host(s) {sorted(hosts)} serve workers again.")
@@ -116,7 +116,7 @@ class HostsReturned(Exception):
 class PreemptionNoticed(Exception):
     """Raised on the controller where every worker parked because hosts got a preemption notice
     (``worker.notices``), once the resume point there is kept: it unwinds the controller's loop for
-    the launcher to go on without those hosts from that point."""
+    ``ElasticFit.run`` to go on without those hosts from that point."""
 
     def __init__(self, hosts: list[int], num_hosts: int, ranks: list[int]) -> None:
         super().__init__(
