@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Optional
 
-from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
@@ -108,7 +108,7 @@ class MonarchLauncher(lightning_compat.Launcher):
         ended_cleanly = reusable = False
 
         def attempt(spec: StageSpec) -> tuple[StageSession, Any]:
-            return self._run_stage(trainer, function, inputs, spec, mesh, warned, elastic, placement.workers)
+            return self._run_stage(trainer, function, inputs, spec, mesh, warned, elastic)
 
         try:
             if not mesh.checked:
@@ -153,7 +153,6 @@ class MonarchLauncher(lightning_compat.Launcher):
         mesh: WorkerMesh,
         warned: WorkerWarnings,
         elastic: Optional[ElasticFit],
-        worker_callbacks: list[Callback],
     ) -> tuple[StageSession, Any]:
         """Run Lightning's ``function`` with the controller's loop following the workers of
         ``mesh``, which run ``spec``; the session it ran and the function's result. A change of an
@@ -176,7 +175,7 @@ class MonarchLauncher(lightning_compat.Launcher):
                 channel,
                 inputs.module,
                 inputs.datamodule,
-                worker_callbacks,
+                inputs.worker_callbacks,
                 spec.run_ahead,
                 inputs.snapshots(),
                 elastic,

@@ -88,7 +88,7 @@ class StageInputs:
         worker_callbacks: list[Callback],
     ) -> None:
         self._settings, self._hooks, self.stage, self._trainer = settings, hooks, stage, trainer
-        self.module, self.arguments, self._worker_callbacks = module, arguments, worker_callbacks
+        self.module, self.arguments, self.worker_callbacks = module, arguments, worker_callbacks
         self.datamodule: Optional[LightningDataModule] = arguments.get("datamodule")
         self._fed = FedLoaders(
             {name: arguments[name] for name in LOADER_STAGES[stage] if arguments.get(name) is not None},
@@ -156,7 +156,7 @@ class StageInputs:
                 "LightningModule": module,
                 "LightningDataModule": self.datamodule,
                 "dataloaders": self.loaders,
-                "worker_callbacks": self._worker_callbacks,
+                "worker_callbacks": self.worker_callbacks,
                 "Trainer": lightning_compat.trainer_subclass(trainer),
             },
             script_dir,
@@ -202,7 +202,7 @@ class StageInputs:
                 trainer.callbacks,  # type: ignore[attr-defined]
                 settings.max_ahead,
                 self.snapshots(),
-                states_travel=states_can_travel(module, self._worker_callbacks, sharding is not None),
+                states_travel=states_can_travel(module, self.worker_callbacks, sharding is not None),
             ),
         )
 
