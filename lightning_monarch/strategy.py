@@ -179,6 +179,9 @@ class MonarchStrategy(_OneProcess):
             per rank, step time, the run's projected time, warnings with their fixes) and keep it in
             ``strategy.rehearsal``. A rehearsal that fails raises ``RehearsalError`` before the
             ``fit`` starts; the ``fit`` itself gives what it gives without one.
+        post_mortem: an exception in a worker's hook opens pdb at the frame that raised it, on this
+            process's terminal or notebook, with that rank's locals (``breakpoint()`` in a worker
+            does so without it); the stage then fails as it does without it. See the debugging page.
         **ddp_kwargs: keyword arguments for ``DistributedDataParallel`` on the workers, as for
             ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``, ...).
     """
@@ -216,6 +219,7 @@ class MonarchStrategy(_OneProcess):
         keep_warm: bool = True,
         shared_memory: bool = True,
         rehearse: bool = False,
+        post_mortem: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -262,6 +266,7 @@ class MonarchStrategy(_OneProcess):
         self.keep_warm = arguments.flag(owner, "keep_warm", keep_warm)
         self.shared_memory = arguments.flag(owner, "shared_memory", shared_memory)
         self.rehearse = arguments.flag(owner, "rehearse", rehearse)
+        self.post_mortem = arguments.flag(owner, "post_mortem", post_mortem)
         #: The report of the last rehearsal (``rehearse=True``), ``None`` before one.
         self.rehearsal: Optional[RehearsalReport] = None
         #: Whether this strategy runs a rehearsal (``controller.features.rehearsal.rehearsal_twin``).

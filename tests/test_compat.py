@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import operator
 import threading
 from pathlib import Path
@@ -79,6 +80,15 @@ def test_every_private_monarch_name_exists() -> None:
     from monarch.job import ProcessJob, SlurmJob
 
     assert issubclass(monarch_compat.SupervisionError, Exception)
+    # worker.breakpoints' pdb and the endpoints it calls (controller.mesh.debugger relays them)
+    assert {"post_mortem", "end_debug_session", "lookupmodule"} <= set(dir(monarch_compat.PdbWrapper))
+    assert [field.name for field in dataclasses.fields(monarch_compat.DebuggerWrite)] == [
+        "payload",
+        "function",
+        "lineno",
+    ]
+    with monarch_compat.sync_calls():
+        pass
     procs = this_host().spawn_procs(per_host={"procs": 1})
     try:
         objects = {

@@ -177,24 +177,3 @@ def test_ddps_own_fix_is_given_in_monarch_terms() -> None:
     fixed = trainer("monarch_find_unused_parameters_true")
     fixed.fit(UnusedHeadClassifier())
     assert fixed.global_step == 3
-
-
-class StopsAtABreakpoint(Classifier):
-    """Calls ``breakpoint()`` in ``training_step`` on rank 1 at batch 2, as a user debugging it would."""
-
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
-        if self.trainer.global_rank == 1 and batch_idx == 2:
-            breakpoint()
-        return super().training_step(batch, batch_idx)
-
-
-def test_a_breakpoint_on_a_worker_quits_there_instead_of_hanging_the_fit() -> None:
-    # Monarch's own breakpoint hook waited for a remote debugger to attach: the fit hung, its peers
-    # in their next all-reduce (issue 42). A worker has no terminal: pdb quits, as without input.
-    started = time.monotonic()
-    with pytest.raises(
-        WorkerError, match=r"rank 1 .* raised BdbQuit in `module.training_step`: `breakpoint\(\)` at .*test_failures.py"
-    ):
-        _trainer().fit(StopsAtABreakpoint())
-    assert time.monotonic() - started < 60
-    assert not worker_processes()

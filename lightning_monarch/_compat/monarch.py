@@ -18,12 +18,16 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     from monarch._rust_bindings.monarch_hyperactor.host_mesh import BootstrapCommand
     from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+    from monarch._src.actor.debugger.pdb_wrapper import DebuggerWrite, PdbWrapper
     from monarch.actor import ProcMesh
     from monarch.job import ProcessJob, SlurmJob
 
 __all__ = [
     "ACTOR_THREADS",
     "CHECKED_WITH",
+    "DEBUGGER_NAME",
+    "DebuggerWrite",
+    "PdbWrapper",
     "SupervisionError",
     "bootstrap_command",
     "failed_rank",
@@ -32,6 +36,7 @@ __all__ = [
     "job_meshes",
     "process_job_addresses",
     "runtime_exit_handler",
+    "sync_calls",
     "slurm_addresses",
     "slurm_gpus_per_node",
     "slurm_tasks_per_node",
@@ -53,6 +58,9 @@ ACTOR_THREADS = ("monarch-actor-event-loop", "monarch-actor-driver")
 #: What Monarch's proc launcher sets in the environment of every process it launches for a proc
 #: mesh (``monarch._src.actor.proc_launcher.LaunchOptions``), and nowhere else.
 PROC_MESH_VARIABLE = "HYPERACTOR_MESH_BOOTSTRAP_MODE"
+#: The name under which Monarch's ``debug_controller()`` finds the root client's debugger (and spawns
+#: its own ``DebugController`` when none has it): a worker's pdb sends its reads and writes there.
+DEBUGGER_NAME = "debug_controller"
 
 
 def launched_by_monarch() -> bool:
@@ -61,13 +69,26 @@ def launched_by_monarch() -> bool:
 
 
 def __getattr__(name: str) -> Any:
-    """``SupervisionError``, imported on first use: importing Monarch's bindings here, at
-    ``import lightning_monarch``, would start Monarch before ``controller.install`` configured it."""
+    """``SupervisionError``, ``PdbWrapper`` and ``DebuggerWrite``, imported on first use: importing
+    Monarch here, at ``import lightning_monarch``, would start it before ``controller.install``
+    configured it."""
     if name == "SupervisionError":  # what a call raises when a process of its mesh died
         from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
         return SupervisionError
+    if name in ("PdbWrapper", "DebuggerWrite"):  # Monarch's pdb over a debugger's endpoints, and its messages
+        from monarch._src.actor.debugger import pdb_wrapper
+
+        return getattr(pdb_wrapper, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def sync_calls() -> Any:
+    """A context in which a call's ``.get()`` may block, even on an actor's endpoint thread (Monarch's
+    own pdb makes its calls to the debugger in one)."""
+    from monarch._src.actor.sync_state import fake_sync_state
+
+    return fake_sync_state()
 
 
 def bootstrap_command(program: str, args: list[str]) -> BootstrapCommand:

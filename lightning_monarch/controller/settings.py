@@ -61,6 +61,7 @@ class StrategySettings:
     keep_warm: bool
     shared_memory: bool
     rehearse: bool
+    post_mortem: bool
     #: Whether these are a rehearsal's settings (``controller.features.rehearsal``).
     rehearsing: bool
     ddp_kwargs: Mapping[str, Any]

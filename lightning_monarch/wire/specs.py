@@ -180,6 +180,8 @@ class StageSpec:
     #: A rehearsal (``controller.features.rehearsal``): every rank records its batch times and memory
     #: (``worker.stats.RehearsalRecorder``), read with its stats.
     rehearsal: bool = False
+    #: ``MonarchStrategy(post_mortem=True)``: a hook's exception opens pdb at its frame (``worker.breakpoints``).
+    post_mortem: bool = False
     #: A checkpoint file's bytes that travel with the stage (a ``Parcel``, as the payload's
     #: storages do), for workers on hosts that may not reach the controller's disk: the workers
     #: resume from it instead of ``ckpt_path`` (an elastic ``fit`` going on from its resume point in

@@ -111,27 +111,33 @@ class MonarchWorker(Actor):
         return RankValue(self._rank, noticed() if serves_notices() else None)
 
     @endpoint
-    def leave_world(self) -> None:
-        """A host of the mesh was lost (elastic training, ``controller.features.elastic``): drop the failed
-        stage and this process's ``torch.distributed`` group, whose peers are gone. The controller
-        then gives the surviving processes the torch elastic environment of the smaller world, and
-        the next stage's ``DDPStrategy`` forms its group from it, in this same process. A stage
-        parked at a sync gate (the world grows at an epoch's start, or a host got a preemption
-        notice) is abandoned there."""
+    def leave_world(self) -> bool:
+        """A host of the mesh was lost (elastic training, ``controller.features.elastic``), or a
+        stage failed on every rank, or a rank's pdb quit: drop the stage and this process's
+        ``torch.distributed`` group, whose peers are gone or left. The controller then gives the
+        processes the torch elastic environment of the new world, and the next stage's
+        ``DDPStrategy`` forms its group from it, in this same process. A stage parked at a sync gate
+        (the world grows at an epoch's start, or a host got a preemption notice) is abandoned there;
+        one waiting in a collective for a rank that leaves ends as that rank's group closes. Whether
+        the stage's loop ended: a loop still running must not meet the next stage."""
         if self._stage is not None:
             self._stage.abandon()
-        self._drop_stage()
+        ended = self._drop_stage()
         leave_process_group()
+        return ended
 
-    def _drop_stage(self) -> None:
+    def _drop_stage(self) -> bool:
+        """Drop the stage, once its loop ended or within 5 s; whether it ended."""
+        ended = True
         if self._stage is not None:
-            self._stage.join(timeout=5.0)
+            ended = self._stage.join(timeout=5.0)
             module = self._stage.state.module  # None if the stage never ran
             self._shards = module if self._sharded else None
         self._stage = None
         gc.collect()
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
+        return ended
 
     @endpoint
     def receive_storages(self, keys: list[StorageKey], blobs: list[bytes]) -> None:

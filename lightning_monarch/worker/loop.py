@@ -43,6 +43,7 @@ from lightning_monarch.wire.protocol import (
 )
 from lightning_monarch.wire.reports import PredictionShard, WorkerFailure
 from lightning_monarch.wire.specs import RankSnapshot
+from lightning_monarch.worker.breakpoints import post_mortem
 from lightning_monarch.worker.describe import describe_result, worker_side_result
 from lightning_monarch.worker.entries import EntryRecorder
 from lightning_monarch.worker.held_warnings import HELD
@@ -106,9 +107,11 @@ class StageLoop:
         plan: RunAhead,
         resume: Optional[RankSnapshot] = None,
         hold: Callable[[], tuple[StorageKey, ...]] = tuple,
+        post_mortem: bool = False,
     ) -> None:
         """``hold``: after a stage that ran to its end, keep its storages for the next stage and
-        return their keys (``worker.storages``)."""
+        return their keys (``worker.storages``). ``post_mortem``: the stage's first exception opens
+        pdb at the frame that raised it, before Lightning's handlers run (``worker.breakpoints``)."""
         self._trainer = trainer
         self._run = run
         self._rank = rank
@@ -118,6 +121,7 @@ class StageLoop:
         #: Set while a replacement worker catches up to the snapshot (``specs.ResumePoint``).
         self._resume = resume
         self._hold = hold
+        self._post_mortem = post_mortem
         self._cond = threading.Condition()
         #: Releases and out-of-band requests, in the order the controller sent them.
         self._inbox: deque[Union[Release, _OutOfBand, _Abandon]] = deque()
@@ -225,6 +229,10 @@ class StageLoop:
                 self._inbox.append(_Abandon())
                 self._cond.notify_all()
 
+    def _abandoned(self) -> bool:
+        with self._cond:
+            return any(isinstance(item, _Abandon) for item in self._inbox)
+
     def out_of_band(self, fn: Callable[[], Any]) -> Any:
         """Runs on the endpoint thread: ``fn``'s value, run on the loop thread where it is parked at
         the sync gate the controller is at (R5), or here once the stage has ended."""
@@ -258,10 +266,11 @@ class StageLoop:
         """This rank's Trainer state, for the controller's out-of-band requests."""
         return self._state
 
-    def join(self, timeout: Optional[float]) -> None:
-        """Runs on the endpoint thread: wait for the loop thread after the stage ended."""
+    def join(self, timeout: Optional[float]) -> bool:
+        """Runs on the endpoint thread: wait for the loop thread after the stage ended; whether it ended."""
         if self._thread is not None:
             self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
 
     # ----- loop thread -----------------------------------------------------------------------
 
@@ -281,8 +290,9 @@ class StageLoop:
         self._depth, self._nested, self._gate = 1, [], gate
         try:
             result = fn(*args, **kwargs)
-        except BaseException:
+        except BaseException as error:
             self._free_running = True
+            self._examine(error)
             self._failed_gate = self._failed_gate or gate
             raise
         finally:
@@ -350,7 +360,8 @@ class StageLoop:
         self._depth += 1
         try:
             result = fn(*args, **kwargs)
-        except BaseException:
+        except BaseException as error:
+            self._examine(error)
             self._failed_gate = self._failed_gate or gate
             raise
         finally:
@@ -430,12 +441,20 @@ class StageLoop:
         if item.plan is not None:
             self._plan = item.plan
 
+    def _examine(self, error: BaseException) -> None:
+        """With ``post_mortem``, pdb at the frame that raised ``error``, the stage's first exception,
+        unless the controller abandons the stage (a peer's pdb quit, and its group with it)."""
+        if self._post_mortem and isinstance(error, Exception) and not self._abandoned():
+            self._post_mortem = False
+            post_mortem(error)
+
     def _main(self) -> None:
         try:
             self._run()
             end = dataclasses.replace(self._recorder.end(), held=self._hold(), tuner_exit=self.trial.tuner_exit)
         except BaseException as error:
             self._free_running = True
+            self._examine(error)
             end = Entry(
                 None,
                 failure=WorkerFailure.capture(error, self._rank, self._failed_gate or self._gate, memory_in_use_mib()),

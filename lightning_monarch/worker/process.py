@@ -17,8 +17,9 @@ before any actor of ours and before anything touches a GPU. It makes the process
   ``python_exe``), as no bootstrap command is imposed on it.
 - On a host that serves preemption notices (``lightning-monarch serve``), the process ignores
   SIGTERM, which its host process takes as the notice (``worker.notices``).
-- ``breakpoint()`` quits at once (``worker.breakpoints``): it hung the fit under Monarch's own
-  hook, which waits for a remote debugger to attach.
+- ``breakpoint()`` and ``pdb.set_trace()`` open pdb on the controller's terminal
+  (``worker.breakpoints``): under Monarch's own hook, which waits for a remote debugger to attach
+  from another terminal, they hung the fit.
 - Unless the strategy shows every line the workers print (``aggregate_window_sec=None``), the
   process holds its Python warnings for the controller to show once (``worker.held_warnings``),
   from here on: before any stage runs, and before the user's module is unpickled.
@@ -30,7 +31,6 @@ worker's) and keeps the reason for the preflight check to report (:data:`pinning
 from __future__ import annotations
 
 import os
-import sys
 from typing import Optional
 
 import torch
@@ -41,7 +41,7 @@ from monarch.actor import current_rank
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.devices import pin
 from lightning_monarch.wire.specs import WorldSpec, worker_backend
-from lightning_monarch.worker.breakpoints import quit_at_breakpoint
+from lightning_monarch.worker import breakpoints
 from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.notices import ignore_sigterm
 
@@ -59,13 +59,13 @@ def start_worker_process(
 ) -> None:
     """Monarch's bootstrap of one worker process: the elastic run ID, the threads a Lightning
     launcher gives each of ``per_host`` ranks, SIGTERM ignored where the host takes it as a
-    preemption notice, ``breakpoint()`` quitting, the warnings held for the controller (``hold_warnings``) and, for GPU
+    preemption notice, ``breakpoint()`` relayed to the controller, the warnings held for the controller (``hold_warnings``) and, for GPU
     workers (``gpu_indices``: the ``devices=...`` index of each local rank), the pinned device."""
     global pinning_problem
     os.environ[RUN_ID_VARIABLE] = run_id
     lightning_compat.set_threads_as_launched(per_host)
     ignore_sigterm()
-    sys.breakpointhook = quit_at_breakpoint
+    breakpoints.install()
     if hold_warnings:
         HELD.install()
     if gpu_indices is None:

@@ -26,6 +26,7 @@ from lightning_monarch.wire.codec import Parcel, open_parcel
 from lightning_monarch.wire.gates import GateCallback, install_hook_gates
 from lightning_monarch.wire.protocol import DATAMODULE_HOOKS, MODULE_HOOKS
 from lightning_monarch.wire.specs import StageSpec, TrainerConfig
+from lightning_monarch.worker.code_files import name_files
 from lightning_monarch.worker.entries import EntryRecorder
 from lightning_monarch.worker.logger import recording_loggers
 from lightning_monarch.worker.loop import StageLoop
@@ -95,6 +96,7 @@ def _build(
 ) -> StageLoop:
     """:func:`build_stage`, once the stage's settings are made; ``run`` undoes them."""
     module, datamodule, loaders, worker_callbacks, subclass = open_parcel(spec.payload, storages.take(spec.payload))
+    name_files(module, datamodule, *worker_callbacks)
     settings.make_library_settings()  # scvi's seed setter seeds torch: before the next line
     if spec.torch_rng is not None and (first or spec.torch_rng.changed):
         torch.set_rng_state(torch.frombuffer(bytearray(spec.torch_rng.state), dtype=torch.uint8))
@@ -184,5 +186,15 @@ def _build(
         final_state=spec.fn == "fit" and config.sharding is None,
         hparams=dict(module.hparams),
     )
-    loop = StageLoop(trainer, run, rank, recorder, state, spec.run_ahead, resume, lambda: storages.hold(state.module))
+    loop = StageLoop(
+        trainer,
+        run,
+        rank,
+        recorder,
+        state,
+        spec.run_ahead,
+        resume,
+        lambda: storages.hold(state.module),
+        spec.post_mortem,
+    )
     return loop

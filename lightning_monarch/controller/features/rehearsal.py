@@ -36,6 +36,7 @@ from lightning_monarch import namespaces
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch._compat import loops as loops_compat
 from lightning_monarch.controller import arguments
+from lightning_monarch.controller.mesh.debugger import quit_in_pdb
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.controller.settings import StrategySettings, settings_of
 from lightning_monarch.errors import RehearsalError, WorkerError
@@ -152,18 +153,19 @@ def rehearsal_twin(settings: StrategySettings) -> Strategy:
 
 
 def ready_again(error: BaseException, mesh: WorkerMesh) -> bool:
-    """After a failed rehearsal: whether its workers can run the next stage as they are, with a
-    new process group (``WorkerMesh.reset_world``), because an exception ended the stage on every
-    rank (an out-of-memory error does on identical replicas). A rank still waiting in a collective,
-    or a dead one, means the mesh is stopped, as after any failed stage."""
-    if not isinstance(error, WorkerError) or not mesh.stages_ended():
+    """After a failed rehearsal, or a stage that the user ended in a worker's pdb: whether its
+    workers can run the next stage as they are, with a new process group (``WorkerMesh.reset_world``),
+    because an exception ended the stage on every rank (an out-of-memory error does on identical
+    replicas), or pdb's ``q`` ended it on one rank, whose leaving its group ends the collective its
+    peers wait in. A rank still waiting in a collective, or a dead one, means the mesh is stopped,
+    as after any failed stage."""
+    if not quit_in_pdb(error) and not (isinstance(error, WorkerError) and mesh.stages_ended()):
         return False
     try:
-        mesh.reset_world()
+        return mesh.reset_world()
     except Exception as failure:  # stop it, as after any failed stage
-        log.warning("The workers of the failed rehearsal could not form a new process group: %s", failure)
+        log.warning("The workers of the failed stage could not form a new process group: %s", failure)
         return False
-    return True
 
 
 def rehearse(

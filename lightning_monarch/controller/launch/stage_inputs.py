@@ -198,6 +198,7 @@ class StageInputs:
             torch_rng=_TORCH_RNG.start(),
             library_settings=library_settings.read(),
             rehearsal=settings.rehearsing,
+            post_mortem=settings.post_mortem,
             run_ahead=make_plan(
                 trainer.callbacks,  # type: ignore[attr-defined]
                 settings.max_ahead,

@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Any, Optional
 
+from lightning_monarch.controller.mesh.debugger import serve_debugger
 from lightning_monarch.controller.mesh.hosts import LostHostCheck
 from lightning_monarch.controller.mesh.snapshots import SnapshotDirectory
 from lightning_monarch.controller.mesh.worker_mesh import Message, WorkerMesh, by_rank
@@ -72,8 +73,10 @@ class StageChannel:
 
     def start(self) -> None:
         """Build every rank's Trainer for the stage and start its loop (a failure raises), counting
-        what is sent to the workers from here (``WorkerMesh.sent``). A recovery starts its new
+        what is sent to the workers from here (``WorkerMesh.sent``), with this process's debugger
+        serving their ``breakpoint()`` (``controller.mesh.debugger``). A recovery starts its new
         workers' stage itself, so this is not journaled."""
+        serve_debugger()
         self.mesh.count_from_here()
         try:
             self.mesh.start_stage(self._spec, self._shared_memory)

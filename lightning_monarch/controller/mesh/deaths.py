@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, Optional
 
 from lightning_monarch._compat.monarch import SupervisionError, failed_rank
+from lightning_monarch.controller.mesh.debugger import waits_counted_from
 from lightning_monarch.controller.mesh.watch import POLL_S, ProcessWatch
 from lightning_monarch.errors import MeshFailureError, WorkerError, WorkerTimeoutError
 from lightning_monarch.wire.protocol import RankStatus
@@ -129,8 +130,10 @@ def raise_if_timed_out(
     started: float, answered: Iterable[Optional[int]], limit: Optional[float], num_workers: int
 ) -> None:
     """Raise ``WorkerTimeoutError`` once a wait that began at ``started`` passed ``limit``, naming
-    the ranks that did not answer (or did not get as far)."""
-    if limit is None or time.monotonic() - started <= limit:
+    the ranks that did not answer (or did not get as far). The time a worker's pdb session held
+    the terminal does not count (``controller.mesh.debugger``)."""
+    counted_from = waits_counted_from(started)
+    if limit is None or counted_from is None or time.monotonic() - counted_from <= limit:
         return
     silent = tuple(rank for rank in range(num_workers) if rank not in set(answered))
     raise WorkerTimeoutError(

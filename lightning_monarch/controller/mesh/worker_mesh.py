@@ -369,13 +369,15 @@ class WorkerMesh:
         rank's failure, another may still wait in a collective for it, and only a kill ends that."""
         return deaths.all_failed(self._workers.status.stream(), timeout)
 
-    def reset_world(self) -> None:
+    def reset_world(self) -> bool:
         """Every worker leaves its process group and takes its place in a new one of the same
         world (a new ``MASTER_PORT``): after a stage that failed on every rank, a collective that
-        one rank began and another never joined must not meet the next stage's."""
+        one rank began and another never joined must not meet the next stage's. Whether every
+        rank's stage ended (one still in a collective may not have, and must not meet the next)."""
         assert self._world is not None
-        leave_world(self._world.workers, _STOP_TIMEOUT_S)
+        ended = leave_world(self._world.workers, _STOP_TIMEOUT_S)
         self._world.join()
+        return ended
 
     def notices(self) -> list[Optional[bool]]:
         """Each rank's answer, in rank order: whether its host got a preemption notice (``None``

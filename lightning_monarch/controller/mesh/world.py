@@ -191,11 +191,10 @@ class WorkerWorld:
                 future.get()
 
 
-def leave_world(workers: Counted, timeout: float) -> None:
+def leave_world(workers: Counted, timeout: float) -> bool:
     """Each of ``workers`` leaves its stage and process group (not through the mesh's gather: the
-    process watch may still see the dead)."""
-    for left in workers.leave_world.stream():
-        left.get(timeout=timeout)
+    process watch may still see the dead); whether every stage's loop ended."""
+    return all([left.get(timeout=timeout) for left in workers.leave_world.stream()])
 
 
 def host_label(hosts: HostMesh) -> str:
