@@ -5,6 +5,7 @@ exit code 0 (issue 58)."""
 
 from __future__ import annotations
 
+import queue
 import re
 import subprocess
 import time
@@ -13,9 +14,11 @@ from dataclasses import dataclass
 import nbformat
 import psutil
 import pytest
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
 from tests.conftest import ROOT
+from tests.references import environment
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -114,3 +117,67 @@ def test_the_kernel_shuts_down_with_exit_code_0(run: Run) -> None:
     :data:`SHUTDOWN_WAIT_S`; the kernel ends by itself, through Python's exit handlers, Monarch's
     included, with code 0."""
     assert run.kernel.returncode == 0
+
+
+#: A cell whose fit stops in pdb on rank 1: its module is defined in the cell, as a notebook's is.
+DEBUGGED_CELL = """
+import lightning as L
+import lightning_monarch
+from tests.models import Classifier
+
+
+class StopsInPdb(Classifier):
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_rank == 1 and batch_idx == 2:
+            secret = "secret-of-rank-1"
+            breakpoint()
+        return super().training_step(batch, batch_idx)
+
+
+trainer = L.Trainer(strategy="monarch", accelerator="cpu", devices=2, max_epochs=1, limit_train_batches=4,
+                    limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False)
+trainer.fit(StopsInPdb())
+print("fit ended at step", trainer.global_step)
+lightning_monarch.stop_meshes()
+"""
+
+
+def test_a_breakpoint_on_a_worker_reads_the_kernels_input_box() -> None:
+    # a notebook's pdb prompts through the kernel's input requests, as Python's input() does there
+    manager = KernelManager(kernel_name="python3")
+    manager.shutdown_wait_time = SHUTDOWN_WAIT_S
+    manager.start_kernel(cwd=str(ROOT), env=environment())
+    client = manager.client()
+    client.start_channels()
+    typed, prompts, printed = iter(["p secret", "c"]), [], []
+    try:
+        client.wait_for_ready(timeout=60)
+        request = client.execute(DEBUGGED_CELL, allow_stdin=True)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                asked = client.get_stdin_msg(timeout=0.1)
+                prompts.append(asked["content"]["prompt"])
+                client.input(next(typed))
+            except queue.Empty:
+                pass
+            try:
+                message = client.get_iopub_msg(timeout=0.1)
+            except queue.Empty:
+                continue
+            if message["parent_header"].get("msg_id") != request:
+                continue
+            if message["msg_type"] == "stream":
+                printed.append(message["content"]["text"])
+            elif message["msg_type"] == "error":
+                printed.append("\n".join(message["content"]["traceback"]))
+            elif message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+                break
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel()
+    output = "".join(printed)
+    assert prompts == ["(Pdb rank 1 on " + prompts[0].split(" on ", 1)[1]] * 2, prompts
+    assert "pdb on rank 1 (" in output and "'secret-of-rank-1'" in output, output
+    assert "fit ended at step 4" in output, output
