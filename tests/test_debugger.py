@@ -23,35 +23,48 @@ pytestmark = pytest.mark.timeout(300)
 
 #: The controller: each fit prints what it gave, between lines that name it.
 CONTROLLER = """
-import os, sys, time
+import pdb, time
 import lightning as L
+import pytorch_lightning
 import torch
 import lightning_monarch
+import lightning_monarch.pl
 from lightning_monarch import MonarchStrategy
 from lightning_monarch.controller.mesh.pool import MESHES
 from tests.models import Classifier
+from tests.pl.models import Classifier as PlClassifier
 
 
-class Stops(Classifier):
-    def __init__(self, ranks=(1,), fails=False):
-        super().__init__()
-        self.ranks, self.fails = ranks, fails
+def stopping(base):
+    class Stops(base):
+        def __init__(self, ranks=(1,), fails=False):
+            super().__init__()
+            self.ranks, self.fails = ranks, fails
 
-    def training_step(self, batch, batch_idx):
-        if self.trainer.global_rank in self.ranks and batch_idx == 2:
-            secret = f"secret-of-rank-{self.trainer.global_rank}"
-            if self.fails:
-                culprit = 41
-                raise ValueError(f"bad batch {culprit + 1}")
-            breakpoint()
-        return super().training_step(batch, batch_idx)
+        def training_step(self, batch, batch_idx):
+            if self.trainer.global_rank in self.ranks and batch_idx == 2:
+                secret = f"secret-of-rank-{self.trainer.global_rank}"
+                if self.fails:
+                    culprit = 41
+                    raise ValueError(f"bad batch {culprit + 1}")
+                if self.trainer.global_rank == 0:
+                    pdb.set_trace()
+                else:
+                    breakpoint()
+            return super().training_step(batch, batch_idx)
+
+    return Stops
 
 
-def fit(name, module_options, **options):
+STOPS = {L: stopping(Classifier), pytorch_lightning: stopping(PlClassifier)}
+
+
+def fit(name, module_options, namespace=L, **options):
     print(f"=== {name}", flush=True)
     L.seed_everything(7)
-    module = Stops(**module_options)
-    trainer = L.Trainer(strategy=MonarchStrategy(**options), accelerator="cpu", devices=2, max_epochs=1,
+    module = STOPS[namespace](**module_options)
+    strategy = MonarchStrategy(**options) if namespace is L else lightning_monarch.pl.MonarchStrategy(**options)
+    trainer = namespace.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1,
                         limit_train_batches=4, limit_val_batches=0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     started = time.monotonic()
@@ -72,6 +85,7 @@ fit("slow session", {}, step_timeout=3)
 fit("quit", {})
 fit("after quit", {"ranks": ()})
 fit("post-mortem", {"fails": True}, post_mortem=True)
+fit("pytorch_lightning", {}, namespace=pytorch_lightning)
 fit("end of input", {})
 """
 
@@ -88,6 +102,8 @@ TYPED = [
     "c",
     "q",  # quit
     "p culprit",  # post-mortem
+    "c",
+    "p secret",  # pytorch_lightning's namespace
     "c",
 ]
 
@@ -132,7 +148,7 @@ def test_a_breakpoint_on_rank_1_opens_pdb_on_the_controllers_stdin(session: dict
 def test_two_ranks_that_stop_at_once_are_taken_one_after_the_other(session: dict[str, str]) -> None:
     two = session["two ranks"]
     first, second = re.findall(r"pdb on rank (\d) \(", two)
-    assert {first, second} == {"0", "1"}, two
+    assert {first, second} == {"0", "1"}, two  # rank 0 called pdb.set_trace(), rank 1 breakpoint()
     # each session shows its own rank's local, in the order the ranks were taken
     assert re.search(rf"'secret-of-rank-{first}'.*pdb on rank {second} .*'secret-of-rank-{second}'", two, re.S), two
     assert "RAISED" not in two, two
@@ -158,6 +174,12 @@ def test_post_mortem_opens_pdb_at_the_failing_frame_then_the_fit_raises(session:
     assert "Post-mortem of ValueError: bad batch 42" in examined, examined
     assert re.search(r"\(Pdb rank 1 on [^)]+\) 41\n", examined), examined
     assert "RAISED WorkerError: Worker rank 1 on host" in examined and "raised ValueError" in examined, examined
+
+
+def test_pdb_on_a_worker_in_pytorch_lightnings_namespace(session: dict[str, str]) -> None:
+    stopped = session["pytorch_lightning"]
+    assert "pdb on rank 1 (" in stopped and "'secret-of-rank-1'" in stopped, stopped
+    assert "RAISED" not in stopped, stopped
 
 
 def test_a_breakpoint_with_the_input_at_its_end_quits_there(session: dict[str, str]) -> None:
