@@ -189,6 +189,14 @@ def test_a_breakpoint_with_the_input_at_its_end_quits_there(session: dict[str, s
     assert float(re.search(r"took ([\d.]+) s", ended)[1]) < 60
 
 
+def test_both_namespaces_share_the_relay_and_its_sessions() -> None:
+    # one relay per process answers both namespaces' workers; the step timeout reads its sessions
+    import lightning_monarch.controller.mesh.debugger
+    import lightning_monarch.pl.controller.mesh.debugger
+
+    assert lightning_monarch.pl.controller.mesh.debugger is lightning_monarch.controller.mesh.debugger
+
+
 class StopsAtABreakpoint(Classifier):
     """Calls ``breakpoint()`` in ``training_step`` on rank 1 at batch 2, as a user debugging it would."""
 

@@ -25,7 +25,9 @@ from typing import Any, Optional
 
 from monarch.actor import Actor, concurrent_endpoint, get_or_spawn_controller
 
-from lightning_monarch._compat import monarch as monarch_compat
+# the door's module itself, not the ``_compat`` package (which holds Lightning's door): both of
+# Lightning's namespaces then share this module, its one relay and its sessions (``namespaces``)
+import lightning_monarch._compat.monarch as monarch_compat
 from lightning_monarch.errors import WorkerError
 
 _LOCK = threading.Lock()
