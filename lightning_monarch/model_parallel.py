@@ -17,11 +17,9 @@ from __future__ import annotations
 import inspect
 import os
 import shutil
-from datetime import timedelta
 from typing import Any, ClassVar, Literal, Optional, Union
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -66,13 +64,12 @@ class MonarchModelParallelStrategy(MonarchStrategy):
         save_distributed_checkpoint: checkpoints are directories of shards that every worker
             writes (``True``, Lightning's layout), or one file with the full state, which rank 0
             gathers and writes (``False``); the full weights never come to this process either way.
-        timeout: the workers' process-group timeout, as Lightning's ``ModelParallelStrategy`` takes it.
         snapshot_dir: with ``max_restarts``, where the workers write the sharded recovery
             snapshots: each stage makes a temporary directory in it, keeps the last snapshot
             there and removes it when the stage ends. By default the system's temporary directory
             on this host; workers on several hosts need a path that they and this process all
             reach (a shared file system).
-        **kwargs: ``MonarchStrategy``'s arguments (``hosts``, ``max_restarts``, ``max_ahead``,
+        **kwargs: ``MonarchStrategy``'s arguments (``hosts``, ``max_restarts``, ``timeout``,
             ...), except ``DistributedDataParallel``'s: sharded workers do not use DDP.
     """
 
@@ -85,7 +82,6 @@ class MonarchModelParallelStrategy(MonarchStrategy):
         data_parallel_size: Union[Literal["auto"], int] = "auto",
         tensor_parallel_size: Union[Literal["auto"], int] = "auto",
         save_distributed_checkpoint: bool = True,
-        timeout: Optional[timedelta] = default_pg_timeout,
         snapshot_dir: Optional[Union[str, os.PathLike]] = None,
         **kwargs: Any,
     ) -> None:
@@ -110,11 +106,6 @@ class MonarchModelParallelStrategy(MonarchStrategy):
         self.save_distributed_checkpoint = arguments.flag(
             owner, "save_distributed_checkpoint", save_distributed_checkpoint
         )
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise TypeError(
-                f"`{owner}(timeout={timeout!r})`: give a `datetime.timedelta`, e.g. `timedelta(minutes=30)`, or None."
-            )
-        self.timeout = timeout
         self.snapshot_dir = snapshot_dir
 
     @property
@@ -203,7 +194,6 @@ class MonarchModelParallelStrategy(MonarchStrategy):
             mesh_shape=self.mesh_shape,
             from_shards=from_shards,
             save_distributed_checkpoint=self.save_distributed_checkpoint,
-            timeout=self.timeout,
             **options,
         )
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, ClassVar, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -182,6 +184,8 @@ class MonarchStrategy(_OneProcess):
         post_mortem: an exception in a worker's hook opens pdb at the frame that raised it, on this
             process's terminal or notebook, with that rank's locals (``breakpoint()`` in a worker
             does so without it); the stage then fails as it does without it. See the debugging page.
+        timeout: the workers' process-group timeout, as Lightning's ``DDPStrategy`` takes it: how
+            long a collective waits for a rank (one stopped in pdb, or hung) before it fails.
         **ddp_kwargs: keyword arguments for ``DistributedDataParallel`` on the workers, as for
             ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``, ...).
     """
@@ -220,6 +224,7 @@ class MonarchStrategy(_OneProcess):
         shared_memory: bool = True,
         rehearse: bool = False,
         post_mortem: bool = False,
+        timeout: Optional[timedelta] = default_pg_timeout,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -267,6 +272,7 @@ class MonarchStrategy(_OneProcess):
         self.shared_memory = arguments.flag(owner, "shared_memory", shared_memory)
         self.rehearse = arguments.flag(owner, "rehearse", rehearse)
         self.post_mortem = arguments.flag(owner, "post_mortem", post_mortem)
+        self.timeout = arguments.duration(owner, "timeout", timeout)
         #: The report of the last rehearsal (``rehearse=True``), ``None`` before one.
         self.rehearsal: Optional[RehearsalReport] = None
         #: Whether this strategy runs a rehearsal (``controller.features.rehearsal.rehearsal_twin``).

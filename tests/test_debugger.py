@@ -9,10 +9,11 @@ import re
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
 
-from lightning_monarch import WorkerError
+from lightning_monarch import MonarchStrategy, WorkerError
 from lightning_monarch.controller.mesh.pool import MESHES
 from tests.conftest import ROOT
 from tests.models import Classifier
@@ -213,3 +214,20 @@ def test_a_breakpoint_where_the_controller_takes_no_input_quits_there() -> None:
         _trainer().fit(StopsAtABreakpoint())
     assert time.monotonic() - started < 60
     assert len(MESHES.worker_pids()) == 2  # warm, for the next stage
+
+
+class RecordsItsTimeout(Classifier):
+    """Keeps its worker strategy's process-group timeout, which the controller's module takes back."""
+
+    def on_fit_start(self) -> None:
+        self.timeout = self.trainer.strategy._timeout
+
+
+def test_the_workers_process_group_takes_the_strategys_timeout() -> None:
+    # a pdb session longer than the collective's timeout ends its peers' wait, as under ddp: it is
+    # the strategy's to set, as DDPStrategy(timeout=...) sets it
+    module = RecordsItsTimeout()
+    _trainer(strategy=MonarchStrategy(timeout=timedelta(hours=2))).fit(module)
+    assert module.timeout == timedelta(hours=2)
+    with pytest.raises(TypeError, match=r"MonarchStrategy\(timeout=30\)`: give a `datetime.timedelta`"):
+        MonarchStrategy(timeout=30)

@@ -48,9 +48,9 @@ class RecordExceptions(L.Callback):
         self.seen.append(exception)
 
 
-def _trainer(**kwargs: Any) -> L.Trainer:
+def _trainer(strategy: Any = "monarch", **kwargs: Any) -> L.Trainer:
     return L.Trainer(
-        strategy="monarch",
+        strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_epochs=1,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -59,6 +60,15 @@ def number(
     bounds = f"in ({above:g}, {at_most:g}]" if at_most is not None else f"> {above:g}"
     alternative = f", or None {none}" if none is not None else ""
     raise ValueError(f"`{owner}({name}={value!r})`: give a number{counted} {bounds}{meaning}{alternative}.")
+
+
+def duration(owner: str, name: str, value: Any) -> Optional[timedelta]:
+    """``value`` if it is a ``timedelta`` or ``None``; otherwise ``TypeError``."""
+    if value is not None and not isinstance(value, timedelta):
+        raise TypeError(
+            f"`{owner}({name}={value!r})`: give a `datetime.timedelta`, e.g. `timedelta(minutes=30)`, or None."
+        )
+    return value
 
 
 def flag(owner: str, name: str, value: Any) -> bool:

@@ -16,6 +16,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Protocol, runtime_checkable
 
 import torch
@@ -62,6 +63,7 @@ class StrategySettings:
     shared_memory: bool
     rehearse: bool
     post_mortem: bool
+    timeout: Optional[timedelta]
     #: Whether these are a rehearsal's settings (``controller.features.rehearsal``).
     rehearsing: bool
     ddp_kwargs: Mapping[str, Any]

@@ -56,8 +56,6 @@ class ShardingSpec:
     wraps: bool = True
     #: Whether a checkpoint is a directory of every rank's shards, or one file rank 0 writes.
     save_distributed_checkpoint: bool = True
-    #: The workers' process-group timeout (a ``timedelta``), as Lightning's strategy takes it.
-    timeout: Optional[Any] = None
     policy: tuple[type, ...] = ()
     #: FSDP2's ``MixedPrecisionPolicy`` (a param and a reduce dtype), or ``None`` for none.
     mixed_precision: Optional[Any] = None
@@ -104,6 +102,8 @@ class TrainerConfig:
     ddp_kwargs: dict[str, Any]
     #: ``None``: a DDP replica per worker; else the module is sharded with FSDP2.
     sharding: Optional[ShardingSpec] = None
+    #: The workers' process-group timeout (a ``timedelta``), as Lightning's strategies take it.
+    timeout: Optional[Any] = None
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ def sharded_strategy(config: TrainerConfig, parallel_devices: Optional[list[torc
         tensor_parallel_size=tensor_parallel_size,
         save_distributed_checkpoint=spec.save_distributed_checkpoint,
         process_group_backend=config.process_group_backend,
-        **({"timeout": spec.timeout} if spec.timeout is not None else {}),
+        timeout=config.timeout,
     )
     strategy.cluster_environment = TorchElasticEnvironment()
     strategy.parallel_devices = parallel_devices

@@ -52,6 +52,7 @@ def _ddp_strategy(config: TrainerConfig, parallel_devices: Optional[list[torch.d
         cluster_environment=TorchElasticEnvironment(),
         parallel_devices=parallel_devices,
         process_group_backend=config.process_group_backend,
+        timeout=config.timeout,
         **config.ddp_kwargs,
     )
     strategy.strategy_name = (  # type: ignore[attr-defined]

@@ -185,6 +185,7 @@ class StageInputs:
                 process_group_backend=settings.process_group_backend,
                 flags={**lightning_compat.trainer_flags(trainer), "sync_batchnorm": settings.sync_batchnorm},
                 ddp_kwargs=dict(settings.ddp_kwargs),
+                timeout=settings.timeout,
                 sharding=sharding,
             ),
             loggers=[
