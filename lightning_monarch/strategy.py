@@ -185,7 +185,8 @@ class MonarchStrategy(_OneProcess):
             process's terminal or notebook, with that rank's locals (``breakpoint()`` in a worker
             does so without it); the stage then fails as it does without it. See the debugging page.
         timeout: the workers' process-group timeout, as Lightning's ``DDPStrategy`` takes it: how
-            long a collective waits for a rank (one stopped in pdb, or hung) before it fails.
+            long a collective waits for a rank (one stopped in pdb, or hung) before it fails. The
+            group lives as long as its workers: a warm mesh is reused for the same timeout only.
         **ddp_kwargs: keyword arguments for ``DistributedDataParallel`` on the workers, as for
             ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``, ...).
     """

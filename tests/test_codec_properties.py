@@ -26,8 +26,11 @@ from hypothesis.extra import pandas as hpd
 from lightning_monarch.controller.mesh.payload import _ReferenceRecorder
 from lightning_monarch.controller.mesh.storages import copies, lacking
 from lightning_monarch.wire.codec import OUT_OF_BAND_BYTES, Parcel, Shipment, decode, encode, open_parcel, pack
+from lightning_monarch.wire.specs import TrainerConfig
 from lightning_monarch.worker.storages import WorkerStorages
 
+#: The stage's Trainer flags where the value travels: one CPU worker, which needs no process group.
+ONE_CPU_WORKER = TrainerConfig("cpu", 1, 1, "32-true", None, {}, {})
 PROPERTIES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -39,7 +42,7 @@ def through_a_worker(value: Any) -> Any:
     storages = lacking([parcel], frozenset())
     worker = WorkerStorages()
     worker.receive(storages, copies(storages))
-    worker.gather([sent], Shipment(), "cpu", None, writes=True)
+    worker.gather([sent], Shipment(), ONE_CPU_WORKER, writes=True)
     return open_parcel(sent, worker.take(sent))
 
 

@@ -216,18 +216,20 @@ def test_a_breakpoint_where_the_controller_takes_no_input_quits_there() -> None:
     assert len(MESHES.worker_pids()) == 2  # warm, for the next stage
 
 
-class RecordsItsTimeout(Classifier):
-    """Keeps its worker strategy's process-group timeout, which the controller's module takes back."""
+class LateOnRank1(Classifier):
+    """Rank 1 comes to its first all-reduce 10 s late, as a rank stopped in pdb would."""
 
-    def on_fit_start(self) -> None:
-        self.timeout = self.trainer.strategy._timeout
+    def training_step(self, batch: object, batch_idx: int) -> object:
+        if self.trainer.global_rank == 1 and batch_idx == 0:
+            time.sleep(10)
+        return super().training_step(batch, batch_idx)
 
 
 def test_the_workers_process_group_takes_the_strategys_timeout() -> None:
     # a pdb session longer than the collective's timeout ends its peers' wait, as under ddp: it is
-    # the strategy's to set, as DDPStrategy(timeout=...) sets it
-    module = RecordsItsTimeout()
-    _trainer(strategy=MonarchStrategy(timeout=timedelta(hours=2))).fit(module)
-    assert module.timeout == timedelta(hours=2)
+    # the strategy's to set, as DDPStrategy(timeout=...) sets it (it reached no process group before:
+    # the workers' group starts before the stage's Trainer, which keeps it)
+    with pytest.raises(WorkerError, match=r"rank 0 .* raised .*[Tt]imed out"):
+        _trainer(strategy=MonarchStrategy(timeout=timedelta(seconds=3))).fit(LateOnRank1())
     with pytest.raises(TypeError, match=r"MonarchStrategy\(timeout=30\)`: give a `datetime.timedelta`"):
         MonarchStrategy(timeout=30)

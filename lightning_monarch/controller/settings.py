@@ -106,6 +106,7 @@ class StrategySettings:
             pins,
             WorkerOutput(self.aggregate_window_sec) if hosts is not None else None,
             hold_warnings=self.aggregate_window_sec is not None,
+            timeout=self.timeout,
         )
 
     def connected(self, host_mesh: Optional[HostMesh]) -> StrategySettings:

@@ -117,6 +117,8 @@ class PreflightSpec:
     versions: dict[str, Optional[str]]
     all_reduce_mib: float
     all_reduce_limit_s: float
+    #: The process group's timeout (a ``timedelta``; ``None``: torch's default): the check starts it.
+    timeout: Optional[Any] = None
 
 
 @dataclass(frozen=True)

@@ -158,8 +158,7 @@ class MonarchWorker(Actor):
             self._storages.gather(
                 spec.parcels(),
                 spec.shipment,
-                spec.trainer.accelerator,
-                spec.trainer.process_group_backend,
+                spec.trainer,
                 writes=spec.fn == "fit",
             )
             self._stage = build_stage(spec, self._rank, self._storages, kept, first)

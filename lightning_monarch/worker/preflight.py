@@ -123,7 +123,7 @@ def _time_all_reduce(spec: PreflightSpec) -> float:
     """Seconds for one all-reduce across the mesh, after a warm-up one. Starts the default process
     group (with the backend Lightning's DDP would pick) if no stage has yet; the stages then use it."""
     cuda = spec.accelerator == "cuda"
-    process.ensure_process_group(spec.accelerator, spec.process_group_backend)
+    process.ensure_process_group(spec.accelerator, spec.process_group_backend, spec.timeout)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     tensor = torch.ones(int(spec.all_reduce_mib * 2**20 / 4), device=device)
     dist.all_reduce(tensor[:1])

@@ -31,6 +31,7 @@ worker's) and keeps the reason for the preflight check to report (:data:`pinning
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -79,12 +80,13 @@ def start_worker_process(
     os.environ[variable] = device
 
 
-def ensure_process_group(accelerator: str, backend: Optional[str]) -> None:
+def ensure_process_group(accelerator: str, backend: Optional[str], timeout: Optional[timedelta]) -> None:
     """Start this process's default ``torch.distributed`` group, with the backend Lightning's DDP
-    would pick (``specs.worker_backend``), unless one runs: the preflight check and a stage's
-    storages need it before the stage's Trainer starts, which then finds it and keeps it."""
+    would pick (``specs.worker_backend``) and the strategy's ``timeout`` (torch's default if
+    ``None``), unless one runs: the preflight check and a stage's storages need it before the
+    stage's Trainer starts, which then finds it and keeps it, with its timeout."""
     if not dist.is_initialized():
-        dist.init_process_group(worker_backend(accelerator, backend))
+        dist.init_process_group(worker_backend(accelerator, backend), timeout=timeout)
 
 
 def leave_process_group() -> None:

@@ -29,6 +29,7 @@ from torch import nn
 
 from lightning_monarch.memory_files import open_memory_file, read_at
 from lightning_monarch.wire.codec import OUT_OF_BAND_BYTES, Parcel, Shipment, StorageKey, as_memoryview, storage_key
+from lightning_monarch.wire.specs import TrainerConfig
 from lightning_monarch.worker.process import ensure_process_group
 
 #: The largest piece of a broadcast: small storages are sent together up to this size, and a
@@ -58,9 +59,7 @@ class WorkerStorages:
         for key, blob in zip(keys, blobs, strict=True):
             self._received[key] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).untyped_storage()
 
-    def gather(
-        self, parcels: list[Parcel], shipment: Shipment, accelerator: str, backend: Optional[str], writes: bool
-    ) -> None:
+    def gather(self, parcels: list[Parcel], shipment: Shipment, config: TrainerConfig, writes: bool) -> None:
         """Make every storage ``parcels`` name available to :meth:`take`: held from the last stage,
         from the controller's memory file where this host has it, received (rank 0), and whatever a
         rank still lacks broadcast from rank 0. Every rank takes part; the storages held from the
@@ -77,7 +76,7 @@ class WorkerStorages:
                 os.close(shipped)
         self._held, self._received = {}, {}
         if keys and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            ensure_process_group(accelerator, backend)
+            ensure_process_group(config.accelerator, config.process_group_backend, config.timeout)
             _share_from_rank0(keys, found)
         missing = [key for key, storage in zip(keys, found, strict=True) if storage is None]
         if missing:

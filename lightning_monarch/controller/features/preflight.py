@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from datetime import timedelta
 from typing import Optional
 
 from lightning.pytorch.strategies import Strategy
@@ -34,10 +35,11 @@ def check(
     process_group_backend: Optional[str],
     all_reduce_mib: float = 1.0,
     all_reduce_limit_s: float = 60.0,
+    timeout: Optional[timedelta] = None,
 ) -> list[WorkerReport]:
-    """Check every worker of ``mesh``; raise ``PreflightError`` listing all problems, or return
-    the reports in rank order."""
-    spec = PreflightSpec(accelerator, process_group_backend, versions(), all_reduce_mib, all_reduce_limit_s)
+    """Check every worker of ``mesh``, whose process group it starts with ``timeout``; raise
+    ``PreflightError`` listing all problems, or return the reports in rank order."""
+    spec = PreflightSpec(accelerator, process_group_backend, versions(), all_reduce_mib, all_reduce_limit_s, timeout)
     reports = mesh.preflight(spec)
     mesh.checked = True
     _warn_once(reports)

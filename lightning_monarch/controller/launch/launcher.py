@@ -113,7 +113,7 @@ class MonarchLauncher(lightning_compat.Launcher):
 
         try:
             if not mesh.checked:
-                preflight.check(mesh, key.accelerator, key.process_group_backend)
+                preflight.check(mesh, key.accelerator, key.process_group_backend, timeout=key.timeout)
             if elastic is None:
                 session, result = attempt(spec)
             else:

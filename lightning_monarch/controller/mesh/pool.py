@@ -15,6 +15,7 @@ import atexit
 import logging
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 from monarch.actor import HostMesh
@@ -56,6 +57,8 @@ class MeshKey:
     #: Whether the workers hold their Python warnings for the controller to show once
     #: (``worker.held_warnings``), which each process sets up when it starts.
     hold_warnings: bool = True
+    #: The process group's timeout (``MonarchStrategy(timeout=...)``), fixed when the group starts.
+    timeout: Optional[timedelta] = None
     host_identity: Optional[int] = field(init=False, default=None)
 
     def __post_init__(self) -> None:
