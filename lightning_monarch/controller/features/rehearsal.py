@@ -164,7 +164,7 @@ def ready_again(error: BaseException, mesh: WorkerMesh) -> bool:
     try:
         return mesh.reset_world()
     except Exception as failure:  # stop it, as after any failed stage
-        log.warning("The workers of the failed stage could not form a new process group: %s", failure)
+        log.warning("The workers of the failed stage could not form a new process group: %r", failure)
         return False
 
 

@@ -76,7 +76,7 @@ class StageChannel:
         what is sent to the workers from here (``WorkerMesh.sent``), with this process's debugger
         serving their ``breakpoint()`` (``controller.mesh.debugger``). A recovery starts its new
         workers' stage itself, so this is not journaled."""
-        serve_debugger()
+        serve_debugger(self._spec.trainer.timeout)
         self.mesh.count_from_here()
         try:
             self.mesh.start_stage(self._spec, self._shared_memory)

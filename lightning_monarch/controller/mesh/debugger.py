@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 from monarch.actor import Actor, concurrent_endpoint, get_or_spawn_controller
@@ -52,15 +53,16 @@ def waits_counted_from(started: float) -> Optional[float]:
     return None if _SESSIONS.open else max(started, _SESSIONS.ended_at)
 
 
-def serve_debugger() -> Any:
+def serve_debugger(timeout: Optional[timedelta]) -> Any:
     """Register this process's :class:`DebugRelay` as its Monarch debugger, once; the relay. Ranks
     that waited for a session of a stage that ended (a worker killed in its session) wait no more
-    for the next stage's."""
+    for the next stage's, whose workers' collectives time out after ``timeout`` (torch's default
+    if ``None``): each session says so."""
     with _LOCK:
         if not _RELAY:
             _RELAY.append(get_or_spawn_controller(monarch_compat.DEBUGGER_NAME, DebugRelay).get())
         relay = _RELAY[0]
-    relay.new_stage.call_one().get()
+    relay.new_stage.call_one(timeout).get()
     return relay
 
 
@@ -80,8 +82,10 @@ class DebugRelay(Actor):
         self._terminal = _Terminal()
 
     @concurrent_endpoint
-    async def new_stage(self) -> None:
-        """A new stage starts: a session that a dead worker left open no longer holds the turn."""
+    async def new_stage(self, timeout: Optional[timedelta]) -> None:
+        """A new stage starts, whose collectives time out after ``timeout``: a session that a dead
+        worker left open no longer holds the turn."""
+        self._terminal.timeout = timeout
         if self._turn.locked():
             self._turn = asyncio.Lock()
             self._terminal.end()
@@ -127,13 +131,16 @@ class _Terminal:
         self._prompt = ""
         self._unread = b""
         self._rank: Optional[int] = None
+        #: The process group's timeout of the stage in progress (``None``: torch's default).
+        self.timeout: Optional[timedelta] = None
 
     def begin(self, rank: int, hostname: str) -> None:
         _SESSIONS.open = True
         self._rank, self._prompt, self._unread = rank, "", b""
+        limit = f"{self.timeout.total_seconds() / 60:g} min" if self.timeout is not None else "torch's default"
         self._print(
-            f"\n[lightning_monarch] pdb on rank {rank} ({hostname}); the other ranks wait."
-            " `c` continues the fit, `q` ends it.\n"
+            f"\n[lightning_monarch] pdb on rank {rank} ({hostname}); the other ranks wait, up to their"
+            f" collective's timeout ({limit}, `MonarchStrategy(timeout=...)`). `c` continues the fit, `q` ends it.\n"
         )
 
     def end(self) -> None:
