@@ -152,14 +152,14 @@ def rehearsal_twin(settings: StrategySettings) -> Strategy:
     return settings.twin(hosts=settings.host_mesh, max_restarts=0, min_nodes=None, keep_warm=True, rehearse=False)
 
 
-def ready_again(error: BaseException, mesh: WorkerMesh) -> bool:
-    """After a failed rehearsal, or a stage that the user ended in a worker's pdb: whether its
-    workers can run the next stage as they are, with a new process group (``WorkerMesh.reset_world``),
-    because an exception ended the stage on every rank (an out-of-memory error does on identical
-    replicas), or pdb's ``q`` ended it on one rank, whose leaving its group ends the collective its
-    peers wait in. A rank still waiting in a collective, or a dead one, means the mesh is stopped,
-    as after any failed stage."""
-    if not quit_in_pdb(error) and not (isinstance(error, WorkerError) and mesh.stages_ended()):
+def ready_again(error: BaseException, mesh: WorkerMesh, rehearsing: bool) -> bool:
+    """After a failed stage: whether its workers can run the next stage as they are, with a new
+    process group (``WorkerMesh.reset_world``). They can after a failed rehearsal (``rehearsing``)
+    where an exception ended the stage on every rank (an out-of-memory error does on identical
+    replicas), and after the user ended a stage in a worker's pdb (``q``), whose rank's leaving its
+    group ends the collective its peers wait in. A rank still waiting in a collective, or a dead
+    one, means the mesh is stopped, as after any other failed stage."""
+    if not quit_in_pdb(error) and not (rehearsing and isinstance(error, WorkerError) and mesh.stages_ended()):
         return False
     try:
         return mesh.reset_world()

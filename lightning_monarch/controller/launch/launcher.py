@@ -31,7 +31,6 @@ from lightning_monarch.controller.loop.mirrors import silence_on_exception, skip
 from lightning_monarch.controller.loop.session import StageSession
 from lightning_monarch.controller.mesh.cells import blocks_the_cell
 from lightning_monarch.controller.mesh.channel import StageChannel
-from lightning_monarch.controller.mesh.debugger import quit_in_pdb
 from lightning_monarch.controller.mesh.pool import MESHES
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
 from lightning_monarch.controller.settings import StageOutcome, StrategyHooks, StrategySettings
@@ -129,7 +128,7 @@ class MonarchLauncher(lightning_compat.Launcher):
         except BaseException as error:
             if isinstance(error, Exception):  # not on an interrupt: the user wants out
                 _show_held_warnings(warned, mesh)
-            reusable = (settings.rehearsing or quit_in_pdb(error)) and ready_again(error, mesh)
+            reusable = ready_again(error, mesh, settings.rehearsing)
             self._hooks._keep_until_exception_handled(silence)
             silence = None
             raise
