@@ -70,7 +70,12 @@ def test_every_private_torch_and_python_name_exists() -> None:
     wrapped = torch_compat.checkpoint_wrapper(nn.Linear(2, 2))
     assert isinstance(wrapped, torch_compat.CheckpointWrapper)
     assert isinstance(torch_compat.wrapped_module(wrapped), nn.Linear)
-    objects = {"torch.cuda": torch.cuda, "CheckpointWrapper": wrapped, "asyncio": asyncio}
+    objects = {
+        "torch.cuda": torch.cuda,
+        "CheckpointWrapper": wrapped,
+        "asyncio": asyncio,
+        "torch.distributed.distributed_c10d": torch.distributed.distributed_c10d,
+    }
     assert not _missing(objects, torch_compat.PRIVATE_NAMES), f"checked with {torch_compat.CHECKED_WITH}"
     assert not _missing(objects, python_compat.PRIVATE_NAMES), f"checked with {python_compat.CHECKED_WITH}"
 

@@ -1,10 +1,12 @@
-"""pdb in a worker, driven from the controller's own stdin (issue 42, ``worker.breakpoints`` and
-``controller.mesh.debugger``): a controller script whose stdin is a pipe, as a user's terminal
-would be, runs fits whose ranks stop in pdb, on one warm mesh, and then one with its stdin at its
-end. Under Monarch's own hook every one of these fits hung until it was killed."""
+"""pdb in a worker, driven from the controller's own stdin (issue 42, ``worker.breakpoints``,
+``worker.pdb_barrier`` and ``controller.mesh.debugger``): a controller script whose stdin is a
+terminal (a pseudo-terminal the test types into) runs fits whose ranks stop in pdb, on one warm
+mesh, then a session longer than the collectives' timeout, and one that meets the end of the input
+(Ctrl-D). Under Monarch's own hook every one of these fits hung until it was killed."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -24,6 +26,7 @@ pytestmark = pytest.mark.timeout(300)
 #: The controller: each fit prints what it gave, between lines that name it.
 CONTROLLER = """
 import pdb, time
+from datetime import timedelta
 import lightning as L
 import pytorch_lightning
 import torch
@@ -37,13 +40,22 @@ from tests.pl.models import Classifier as PlClassifier
 
 def stopping(base):
     class Stops(base):
-        def __init__(self, ranks=(1,), fails=False):
+        def __init__(self, ranks=(1,), fails=False, late=0):
             super().__init__()
-            self.ranks, self.fails = ranks, fails
+            self.ranks, self.fails, self.late = ranks, fails, late
+
+        def validation_step(self, batch, batch_idx):
+            if self.trainer.global_rank in self.ranks and batch_idx == 0:
+                secret = f"secret-of-rank-{self.trainer.global_rank}"
+                breakpoint()
+            return super().validation_step(batch, batch_idx)
 
         def training_step(self, batch, batch_idx):
             if self.trainer.global_rank in self.ranks and batch_idx == 2:
                 secret = f"secret-of-rank-{self.trainer.global_rank}"
+                if self.late:
+                    time.sleep(self.late)
+                    return super().training_step(batch, batch_idx)
                 if self.fails:
                     culprit = 41
                     raise ValueError(f"bad batch {culprit + 1}")
@@ -59,13 +71,13 @@ def stopping(base):
 STOPS = {L: stopping(Classifier), pytorch_lightning: stopping(PlClassifier)}
 
 
-def fit(name, module_options, namespace=L, **options):
+def fit(name, module_options, namespace=L, val_batches=0, **options):
     print(f"=== {name}", flush=True)
     L.seed_everything(7)
     module = STOPS[namespace](**module_options)
     strategy = MonarchStrategy(**options) if namespace is L else lightning_monarch.pl.MonarchStrategy(**options)
     trainer = namespace.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1,
-                        limit_train_batches=4, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                        limit_train_batches=4, limit_val_batches=val_batches, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     started = time.monotonic()
     try:
@@ -86,7 +98,10 @@ fit("quit", {})
 fit("after quit", {"ranks": ()})
 fit("post-mortem", {"fails": True}, post_mortem=True)
 fit("pytorch_lightning", {}, namespace=pytorch_lightning)
-fit("end of input", {})
+fit("longer than the timeout", {}, timeout=timedelta(seconds=3))
+fit("in validation", {}, val_batches=2, timeout=timedelta(seconds=3))
+fit("end of input", {}, timeout=timedelta(seconds=3))
+fit("late without pdb", {"late": 6}, timeout=timedelta(seconds=3))
 """
 
 #: What the user types, session by session: the last fit finds the input at its end.
@@ -105,7 +120,16 @@ TYPED = [
     "c",
     "p secret",  # pytorch_lightning's namespace
     "c",
+    "!__import__('time').sleep(6)",  # a session twice the collectives' timeout
+    "p secret",
+    "c",
+    "c",  # in validation_step: the sanity check's,
+    "c",  # the training step's,
+    "!__import__('time').sleep(6)",  # and the epoch's, while the others log with sync_dist
+    "c",
 ]
+#: The end of the input on a terminal: Ctrl-D at the start of a line.
+END_OF_INPUT = "\x04"
 
 
 def sections(output: str) -> dict[str, str]:
@@ -121,15 +145,22 @@ def workers(section: str) -> str:
 def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     script = tmp_path_factory.mktemp("debugger") / "debug_me.py"
     script.write_text(CONTROLLER)
-    controller = subprocess.run(
-        [sys.executable, str(script)],
-        input="".join(line + "\n" for line in TYPED),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=environment(),
-        timeout=280,
-    )
+    # the controller's stdin is a terminal, as a user's is: the typing waits in its input queue
+    typed, terminal = os.openpty()
+    os.write(typed, ("".join(line + "\n" for line in TYPED) + END_OF_INPUT).encode())
+    try:
+        controller = subprocess.run(
+            [sys.executable, str(script)],
+            stdin=terminal,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=environment(),
+            timeout=280,
+        )
+    finally:
+        os.close(terminal)
+        os.close(typed)
     assert controller.returncode == 0, controller.stderr[-3000:]
     return {**sections(controller.stdout), "whole": controller.stdout}
 
@@ -137,7 +168,10 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_a_breakpoint_on_rank_1_opens_pdb_on_the_controllers_stdin(session: dict[str, str]) -> None:
     one = session["one rank"]
     assert "pdb on rank 1 (" in one and "(Pdb rank 1 on " in one, one
-    assert "the other ranks wait, up to their collective's timeout (30 min, `MonarchStrategy(timeout=...)`)" in one
+    assert (
+        "the other ranks wait before their next gradient or strategy collective, with no time limit (others time"
+        " out after 30 min, `MonarchStrategy(timeout=...)`)" in one
+    )
     assert "'secret-of-rank-1'" in one, one
     # the script's own file and lines, as under ddp (cloudpickle names the code it sends <dynamic-code>)
     assert re.search(r"> .*debug_me.py\(\d+\)training_step\(\)", one), one
@@ -183,6 +217,29 @@ def test_pdb_on_a_worker_in_pytorch_lightnings_namespace(session: dict[str, str]
     assert "RAISED" not in stopped, stopped
 
 
+def test_the_other_ranks_wait_for_a_session_longer_than_their_collectives_timeout(session: dict[str, str]) -> None:
+    # they wait at the barrier before their gradients' all-reduce, whose time in pdb does not count
+    # towards the timeout (3 s); without it, rank 0's all-reduce timed out
+    longer = session["longer than the timeout"]
+    assert "(others time out after 3 s," in longer, longer
+    assert "'secret-of-rank-1'" in longer and float(re.search(r"took ([\d.]+) s", longer)[1]) > 6, longer
+    assert "RAISED" not in longer, longer
+
+
+def test_peers_wait_for_a_session_in_the_strategys_collectives_too(session: dict[str, str]) -> None:
+    # rank 1 stops in validation_step; rank 0 goes on to the epoch's `self.log(..., sync_dist=True)`,
+    # whose reduce (the worker strategy's) meets the barrier first
+    validating = session["in validation"]
+    assert re.search(r"> .*debug_me.py\(\d+\)validation_step\(\)", validating), validating
+    assert "RAISED" not in validating and float(re.search(r"took ([\d.]+) s", validating)[1]) > 6, validating
+
+
+def test_outside_pdb_the_barrier_times_out_as_the_collective_would(session: dict[str, str]) -> None:
+    late = session["late without pdb"]
+    assert "RAISED WorkerError: Worker rank 0 on host" in late and "raised TimeoutError" in late, late
+    assert "waited 3 s before its gradients' all-reduce for ranks that never came" in late, late
+
+
 def test_a_breakpoint_with_the_input_at_its_end_quits_there(session: dict[str, str]) -> None:
     ended = session["end of input"]
     assert "no input for pdb on rank 1 (EOFError" in ended, ended
@@ -207,12 +264,14 @@ class StopsAtABreakpoint(Classifier):
         return super().training_step(batch, batch_idx)
 
 
-def test_a_breakpoint_where_the_controller_takes_no_input_quits_there() -> None:
+def test_a_breakpoint_where_the_controller_takes_no_input_quits_there(capsys: pytest.CaptureFixture[str]) -> None:
     # pytest's captured stdin refuses reads, as a notebook client that takes no input does
     started = time.monotonic()
     with pytest.raises(WorkerError, match=r"rank 1 .* raised BdbQuit in `module.training_step`: pdb quit on rank 1"):
         _trainer().fit(StopsAtABreakpoint())
     assert time.monotonic() - started < 60
+    # no one can answer pdb here: the stage had no barrier, and the header says how long peers wait
+    assert "the other ranks wait up to their collective's timeout (30 min" in capsys.readouterr().out
 
 
 class LateOnRank1(Classifier):

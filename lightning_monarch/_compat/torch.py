@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointWrapper,
@@ -23,6 +24,7 @@ __all__ = [
     "amdsmi_handle",
     "apply_activation_checkpointing",
     "checkpoint_wrapper",
+    "default_store",
     "raw_gpu_count",
     "tree_flatten",
     "tree_map",
@@ -36,6 +38,7 @@ CHECKED_WITH = "torch 2.13"
 PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.cuda": ("_raw_device_count_nvml", "_raw_device_count_amdsmi", "_get_amdsmi_handler"),
     "CheckpointWrapper": ("_checkpoint_wrapped_module",),
+    "torch.distributed.distributed_c10d": ("_get_default_store",),
 }
 
 
@@ -55,3 +58,8 @@ def raw_gpu_count(rocm: bool) -> int:
 def amdsmi_handle() -> Any:
     """AMD SMI's handle of this process's current GPU, as ``torch.cuda``'s own readers get it."""
     return torch.cuda._get_amdsmi_handler()
+
+
+def default_store() -> dist.Store:
+    """The store of this process's default ``torch.distributed`` group, which every rank shares."""
+    return dist.distributed_c10d._get_default_store()

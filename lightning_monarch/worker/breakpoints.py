@@ -32,6 +32,7 @@ import torch.distributed as dist
 from monarch.actor import context, current_rank, debug_controller
 
 from lightning_monarch._compat import monarch as monarch_compat
+from lightning_monarch.worker import pdb_barrier
 
 
 class WorkerPdb(monarch_compat.PdbWrapper):
@@ -55,6 +56,7 @@ class WorkerPdb(monarch_compat.PdbWrapper):
 
     def interaction(self, frame: Optional[FrameType], traceback: Optional[TracebackType]) -> None:
         if not self._in_session:
+            pdb_barrier.session_began()
             with monarch_compat.sync_calls():
                 self.controller.debugger_session_start.call_one(
                     self.rank, self.coords, self.host, self.actor_id.actor_name
@@ -67,6 +69,7 @@ class WorkerPdb(monarch_compat.PdbWrapper):
         if self._leaving:
             self._in_session = False
             self.end_debug_session()
+            pdb_barrier.session_ended()
 
     def trace_dispatch(self, frame: FrameType, event: str, arg: Any) -> Any:
         """bdb's tracer, whose ``BdbQuit`` at ``q`` says who quit, for the controller's error."""

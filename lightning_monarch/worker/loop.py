@@ -233,6 +233,12 @@ class StageLoop:
         with self._cond:
             return any(isinstance(item, _Abandon) for item in self._inbox)
 
+    def stop_if_abandoned(self, waiting_at: str) -> None:
+        """On the loop thread, waiting at ``waiting_at`` outside a gate (``worker.pdb_barrier``):
+        raise :class:`StageAbandoned` if the controller abandoned the stage."""
+        if self._abandoned():
+            raise StageAbandoned(f"The controller abandoned the stage at {waiting_at}.")
+
     def out_of_band(self, fn: Callable[[], Any]) -> Any:
         """Runs on the endpoint thread: ``fn``'s value, run on the loop thread where it is parked at
         the sync gate the controller is at (R5), or here once the stage has ended."""

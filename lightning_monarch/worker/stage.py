@@ -30,6 +30,7 @@ from lightning_monarch.worker.code_files import name_files
 from lightning_monarch.worker.entries import EntryRecorder
 from lightning_monarch.worker.logger import recording_loggers
 from lightning_monarch.worker.loop import StageLoop
+from lightning_monarch.worker.pdb_barrier import PdbBarrier
 from lightning_monarch.worker.sharding import shard_in_configure_model, sharded_strategy
 from lightning_monarch.worker.stage_settings import StageSettings
 from lightning_monarch.worker.state import RankState
@@ -107,6 +108,9 @@ def _build(
     def around(gate, fn, args, kwargs):
         return loop.around(gate, fn, args, kwargs)
 
+    def stop_if_abandoned(waiting_at: str) -> None:
+        loop.stop_if_abandoned(waiting_at)
+
     config = spec.trainer
     loggers, logger_calls = recording_loggers(spec.loggers)
     # each GPU worker sees only its own device (``worker.process``): cuda:0 on every rank
@@ -128,6 +132,7 @@ def _build(
                 GateCallback(around),
                 *worker_callbacks,
                 *([RehearsalRecorder()] if spec.rehearsal else []),
+                *([PdbBarrier(spec.pdb_barrier, config.timeout, stop_if_abandoned)] if spec.pdb_barrier else []),
             ],
             logger=loggers or False,
             # a library's checkpoint callback runs here beside its companions (``controller.loop.callbacks``)

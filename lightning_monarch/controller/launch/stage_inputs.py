@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import uuid
 from typing import Any, Optional
 
 import torch
@@ -27,6 +28,7 @@ from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.loop.mirrors import plan_loaders
 from lightning_monarch.controller.loop.plan import make_plan, states_can_travel
 from lightning_monarch.controller.loop.session import StageSession
+from lightning_monarch.controller.mesh import debugger
 from lightning_monarch.controller.mesh.feed import FedLoaders
 from lightning_monarch.controller.mesh.payload import pack_for_workers
 from lightning_monarch.controller.settings import StrategyHooks, StrategySettings
@@ -200,6 +202,7 @@ class StageInputs:
             library_settings=library_settings.read(),
             rehearsal=settings.rehearsing,
             post_mortem=settings.post_mortem,
+            pdb_barrier=f"lightning_monarch/pdb/{uuid.uuid4().hex}" if debugger.takes_input() else None,
             run_ahead=make_plan(
                 trainer.callbacks,  # type: ignore[attr-defined]
                 settings.max_ahead,

@@ -66,6 +66,19 @@ def serve_debugger(timeout: Optional[timedelta]) -> Any:
     return relay
 
 
+def takes_input() -> bool:
+    """Whether a user can answer a worker's pdb here: this process's stdin is a terminal, or it runs
+    in a Jupyter kernel, whose input box answers ``input()``. Only then do the stage's ranks wait
+    for a rank in pdb without a time limit (``worker.pdb_barrier``)."""
+    try:
+        if sys.stdin is not None and sys.stdin.isatty():
+            return True
+    except ValueError:  # a closed stdin
+        return False
+    ipython = sys.modules.get("IPython")
+    return getattr(ipython.get_ipython() if ipython is not None else None, "kernel", None) is not None
+
+
 def quit_in_pdb(error: BaseException) -> bool:
     """Whether ``error`` ended a stage because the user quit a worker's pdb (``q``, or no input): the
     workers are not broken, and stay warm where every rank's stage ended (``worker.breakpoints``)."""
@@ -137,10 +150,15 @@ class _Terminal:
     def begin(self, rank: int, hostname: str) -> None:
         _SESSIONS.open = True
         self._rank, self._prompt, self._unread = rank, "", b""
-        limit = f"{self.timeout.total_seconds() / 60:g} min" if self.timeout is not None else "torch's default"
+        limit = _spoken(self.timeout) if self.timeout is not None else "torch's default"
+        waits = (
+            f"before their next gradient or strategy collective, with no time limit (others time out after {limit}"
+            if takes_input()
+            else f"up to their collective's timeout ({limit}"
+        )
         self._print(
-            f"\n[lightning_monarch] pdb on rank {rank} ({hostname}); the other ranks wait, up to their"
-            f" collective's timeout ({limit}, `MonarchStrategy(timeout=...)`). `c` continues the fit, `q` ends it.\n"
+            f"\n[lightning_monarch] pdb on rank {rank} ({hostname}); the other ranks wait {waits},"
+            " `MonarchStrategy(timeout=...)`). `c` continues the fit, `q` ends it.\n"
         )
 
     def end(self) -> None:
@@ -174,3 +192,9 @@ class _Terminal:
     def _print(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
+
+
+def _spoken(duration: timedelta) -> str:
+    """``duration`` as a session's header says it: ``3 s``, ``30 min``."""
+    seconds = duration.total_seconds()
+    return f"{seconds:g} s" if seconds < 60 else f"{seconds / 60:g} min"
