@@ -46,6 +46,7 @@ SLOWEST_FIRST = (
     "test_examples.py",
     "test_pytorch_lightning.py",
     "test_parity.py",
+    "test_debugger.py",
     "test_model_parallel.py",
     "test_notebook.py",
     "test_failures.py",

@@ -275,11 +275,11 @@ def test_a_breakpoint_where_the_controller_takes_no_input_quits_there(capsys: py
 
 
 class LateOnRank1(Classifier):
-    """Rank 1 comes to its first all-reduce 10 s late, as a rank stopped in pdb would."""
+    """Rank 1 comes to its first all-reduce 6 s late, as a rank stopped in pdb would."""
 
     def training_step(self, batch: object, batch_idx: int) -> object:
         if self.trainer.global_rank == 1 and batch_idx == 0:
-            time.sleep(10)
+            time.sleep(6)
         return super().training_step(batch, batch_idx)
 
 
