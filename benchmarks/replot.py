@@ -13,6 +13,7 @@ import json
 from types import ModuleType
 
 from benchmarks import (
+    async_validation,
     controller_cpu,
     death_report,
     elastic,
@@ -47,6 +48,7 @@ WRITERS: dict[str, ModuleType] = {
     "suite": suite,
     "exits": exits,
     "namespace_import": namespace_import,
+    "async_validation": async_validation,
 }
 
 

@@ -30,10 +30,21 @@ COMMITTED = (
     "suite",
     "exits",
     "namespace_import",
+    "async_validation",
 )
 #: Those with a reference to draw beside monarch: ``ddp``, Lightning's own, no exit guard (``exits``)
 #: or ``pytorch_lightning`` without the mirror (``namespace_import``).
-WITH_REFERENCE = ("latest", "stages", "sharded", "recovery", "elastic", "fed", "exits", "namespace_import")
+WITH_REFERENCE = (
+    "latest",
+    "stages",
+    "sharded",
+    "recovery",
+    "elastic",
+    "fed",
+    "exits",
+    "namespace_import",
+    "async_validation",
+)
 #: Words of the value axis's label that name its unit.
 UNITS = ("ms", "seconds", "MiB", "relative to ddp")
 
