@@ -185,7 +185,8 @@ class StageSpec:
     #: ``MonarchStrategy(post_mortem=True)``: a hook's exception opens pdb at its frame (``worker.breakpoints``).
     post_mortem: bool = False
     #: Where the controller can answer pdb: the store prefix of the stage's barrier, which holds the
-    #: ranks before their gradients' collectives while a rank is in pdb (``worker.pdb_barrier``).
+    #: ranks before their gradients' and their strategy's collectives while a rank is in pdb
+    #: (``worker.pdb_barrier``).
     pdb_barrier: Optional[str] = None
     #: A checkpoint file's bytes that travel with the stage (a ``Parcel``, as the payload's
     #: storages do), for workers on hosts that may not reach the controller's disk: the workers

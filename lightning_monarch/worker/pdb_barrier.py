@@ -48,9 +48,9 @@ _CURRENT: list[PdbBarrier] = []
 
 
 class PdbBarrier(Callback):
-    """Runs in each worker: the barrier before each backward; pdb sessions count under ``prefix``
-    (one per stage) of the process group's store. ``stop_if_abandoned`` raises where the controller
-    dropped the stage (``worker.loop.StageLoop``)."""
+    """Runs in each worker: the barrier before each backward and each of the strategy's
+    collectives; pdb sessions count under ``prefix`` (one per stage) of the process group's store.
+    ``stop_if_abandoned`` raises where the controller dropped the stage (``worker.loop.StageLoop``)."""
 
     def __init__(self, prefix: str, timeout: Optional[timedelta], stop_if_abandoned: Callable[[str], None]) -> None:
         self._prefix = prefix
