@@ -81,22 +81,23 @@ class PdbBarrier(Callback):
         self._group = None
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
-        self.wait()
+        self.wait("its gradients' all-reduce")
 
-    def wait(self) -> None:
-        """Until every rank of the group is here; raises the collective's error where a peer left."""
+    def wait(self, before: str) -> None:
+        """Until every rank of the group is here, ``before`` the collective it names; raises the
+        barrier's own error where a peer left."""
         done = threading.Event()
         met = dist.all_reduce(self._flag, group=self._group, async_op=True).get_future()
         met.add_done_callback(lambda _: done.set())
         waited = 0.0
         while not done.wait(SLICE_S):
-            self._stop_if_abandoned("the barrier before the gradients' all-reduce")
+            self._stop_if_abandoned(f"the barrier before {before}")
             if self._store.add("sessions", 0) == 0:
                 waited += SLICE_S
             if waited >= self._timeout:
                 raise TimeoutError(
-                    f"Rank {dist.get_rank()} waited {waited:g} s before its gradients' all-reduce for ranks that never"
-                    " came, the process group's timeout (`MonarchStrategy(timeout=...)`); time in pdb does not count."
+                    f"Rank {dist.get_rank()} waited {waited:g} s before {before} for ranks that never came,"
+                    " the process group's timeout (`MonarchStrategy(timeout=...)`); time in pdb does not count."
                 )
         met.wait()
 
@@ -108,7 +109,7 @@ class PdbBarrier(Callback):
 
         @functools.wraps(collective)
         def met_first(*args: Any, **kwargs: Any) -> Any:
-            self.wait()
+            self.wait(f"the strategy's `{collective.__name__}`")
             return collective(*args, **kwargs)
 
         return met_first
