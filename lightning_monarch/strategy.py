@@ -187,6 +187,9 @@ class MonarchStrategy(_OneProcess):
         timeout: the workers' process-group timeout, as Lightning's ``DDPStrategy`` takes it: how
             long a collective waits for a rank (one stopped in pdb, or hung) before it fails. The
             group lives as long as its workers: a warm mesh is reused for the same timeout only.
+        validation: ``"async"`` validates a ``fit`` on a second mesh of CPU workers while training
+            goes on, with the synchronous run's results; see the asynchronous validation page.
+        validation_devices: with ``"async"``, the validation workers: as many as train (``None``).
         **ddp_kwargs: keyword arguments for ``DistributedDataParallel`` on the workers, as for
             ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``, ...).
     """
@@ -226,6 +229,8 @@ class MonarchStrategy(_OneProcess):
         rehearse: bool = False,
         post_mortem: bool = False,
         timeout: Optional[timedelta] = default_pg_timeout,
+        validation: str = "sync",
+        validation_devices: Optional[int] = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -274,6 +279,7 @@ class MonarchStrategy(_OneProcess):
         self.rehearse = arguments.flag(owner, "rehearse", rehearse)
         self.post_mortem = arguments.flag(owner, "post_mortem", post_mortem)
         self.timeout = arguments.duration(owner, "timeout", timeout)
+        self.validation, self.validation_devices = arguments.validation(owner, validation, validation_devices)
         #: The report of the last rehearsal (``rehearse=True``), ``None`` before one.
         self.rehearsal: Optional[RehearsalReport] = None
         #: Whether this strategy runs a rehearsal (``controller.features.rehearsal.rehearsal_twin``).

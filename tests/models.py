@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,23 @@ def _traced(name: str) -> Callable[..., Any]:
 for _name in TRACED_HOOKS:
     if _name != "on_fit_end":
         setattr(TracingClassifier, _name, _traced(_name))
+
+
+class PlaceRecordingClassifier(Classifier):
+    """Touches ``<record_dir>/<step>-<process ID>`` at each training and validation step (not the
+    sanity check's): where they ran (``record_dir`` is an attribute set after construction, not a
+    hyperparameter)."""
+
+    record_dir = ""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        Path(self.record_dir, f"train-{os.getpid()}").touch()
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if not self.trainer.sanity_checking:
+            Path(self.record_dir, f"validation-{os.getpid()}").touch()
+        super().validation_step(batch, batch_idx)
 
 
 class ClassificationDataModule(L.LightningDataModule):

@@ -265,3 +265,45 @@ def test_placing_what_is_not_a_callback_is_refused(place: Any) -> None:
 def test_compiled_module_is_rejected_by_lightning() -> None:
     with pytest.raises(RuntimeError, match="compiled model is incompatible.*MonarchStrategy"):
         _trainer().fit(torch.compile(Classifier()))
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"validation": "later"}, r"validation='later'.*give one of 'sync', 'async'"),
+        ({"validation": "async", "validation_devices": 0}, r"validation_devices=0.*whole number"),
+    ],
+)
+def test_bad_validation_options(options: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MonarchStrategy(**options)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"validation_devices": 3}, r"as many workers as train \(2\).*`validation_devices=2`"),
+        ({"max_restarts": 1}, r"does not recover from a worker's failure yet.*max_restarts=0"),
+    ],
+)
+def test_what_async_validation_does_not_serve_is_refused_at_trainer(options: dict[str, Any], match: str) -> None:
+    with pytest.raises(MisconfigurationException, match=match):
+        _trainer(strategy=MonarchStrategy(validation="async", **options))
+
+
+@pytest.mark.parametrize(
+    ("callback", "flags", "match"),
+    [
+        (EarlyStopping("val_loss"), {}, r"`EarlyStopping` with .*would stop the training workers"),
+        (ModelCheckpoint(monitor="val_loss"), {"enable_checkpointing": True}, r"ranks checkpoints by `val_loss`"),
+        (None, {"enable_checkpointing": True, "val_check_interval": 0.5}, r"saves at the end of each validation"),
+    ],
+)
+def test_callbacks_that_act_on_a_validation_are_refused_before_any_worker_starts(
+    callback: Any, flags: dict[str, Any], match: str
+) -> None:
+    strategy = MonarchStrategy(validation="async")
+    trainer = _trainer(strategy=strategy, callbacks=[callback] if callback is not None else [], **flags)
+    with pytest.raises(MisconfigurationException, match=match) as error:
+        trainer.fit(Classifier())
+    _assert_raised_before_spawning(error)

@@ -110,6 +110,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
     "trainer.test_loop": ("_combined_loader", "_data_fetcher", "_evaluation_step"),
     "trainer.predict_loop": ("_combined_loader", "_data_fetcher", "_predict_step"),
     "model_checkpoint": (
+        "_save_on_train_epoch_end",
         "_every_n_train_steps",
         "_train_time_interval",
         "_every_n_epochs",
@@ -401,6 +402,15 @@ def checkpoint_schedule(callback: Any) -> tuple[int, Any]:
 def checkpoint_every_n_epochs(callback: Any) -> int:
     """A ``ModelCheckpoint``'s ``every_n_epochs``, as it keeps it (0 when it saves by steps or time)."""
     return callback._every_n_epochs
+
+
+def saves_at_validation_end(callback: Any, trainer: Trainer) -> bool:
+    """Whether a ``ModelCheckpoint`` saves at the end of a validation rather than of a training epoch
+    (its ``_should_save_on_train_epoch_end``, for a ``fit`` that validates, before its loaders exist)."""
+    chosen = callback._save_on_train_epoch_end
+    if chosen is not None:
+        return not chosen
+    return not (trainer.check_val_every_n_epoch == 1 and trainer.val_check_interval == 1.0)
 
 
 def set_threads_as_launched(processes_per_host: int) -> None:

@@ -62,6 +62,14 @@ def number(
     raise ValueError(f"`{owner}({name}={value!r})`: give a number{counted} {bounds}{meaning}{alternative}.")
 
 
+def validation(owner: str, mode: Any, devices: Any) -> tuple[str, Optional[int]]:
+    """``validation`` and ``validation_devices`` if valid: ``"sync"`` or ``"async"``, and a whole
+    number or ``None``. Otherwise ``ValueError``."""
+    if mode not in ("sync", "async"):
+        raise ValueError(f"`{owner}(validation={mode!r})`: give one of 'sync', 'async'.")
+    return mode, whole_number(owner, "validation_devices", devices, 1, none="for as many as train")
+
+
 def duration(owner: str, name: str, value: Any) -> Optional[timedelta]:
     """``value`` if it is a ``timedelta`` or ``None``; otherwise ``TypeError``."""
     if value is not None and not isinstance(value, timedelta):

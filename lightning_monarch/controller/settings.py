@@ -64,6 +64,10 @@ class StrategySettings:
     rehearse: bool
     post_mortem: bool
     timeout: Optional[timedelta]
+    #: ``"sync"``, or ``"async"``: a ``fit`` validates on ``validation_devices`` further workers
+    #: (``controller.features.async_validation``); ``None`` devices: as many as train.
+    validation: str
+    validation_devices: Optional[int]
     #: Whether these are a rehearsal's settings (``controller.features.rehearsal``).
     rehearsing: bool
     ddp_kwargs: Mapping[str, Any]

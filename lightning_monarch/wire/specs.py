@@ -199,11 +199,30 @@ class StageSpec:
     torch_rng: Optional[TorchRngStart] = None
     #: Client libraries' settings that the user's script made (``library_settings``).
     library_settings: dict[tuple[str, str, str], Any] = field(default_factory=dict)
+    #: A ``fit`` with asynchronous validation (``MonarchStrategy(validation="async")``): on the
+    #: training mesh, each rank's validation worker, to which it hands its weights at each validation
+    #: point (``worker.async_validation.HandOff``); on the validation mesh, ``serves_validation``.
+    validators: Optional[tuple[Any, ...]] = None
+    serves_validation: bool = False
 
     def parcels(self) -> list[Parcel]:
         """The parcels the stage opens: the payload, and a checkpoint's bytes where one travels."""
         resumed = self.resume.checkpoint if self.resume is not None else None
         return [parcel for parcel in (self.payload, self.checkpoint, resumed) if isinstance(parcel, Parcel)]
+
+
+@dataclass(frozen=True)
+class ValidationRequest:
+    """What a training rank hands its validation worker at the ``number``-th validation point of a
+    ``fit`` with asynchronous validation, for it to validate as the rank itself would have there:
+    the module's weights, the fit loop's progress (``trainer.fit_loop.state_dict()``), the control
+    state and the rank's random generators (``worker.async_validation``)."""
+
+    number: int
+    weights: dict[str, Any]
+    fit_loop_state: dict[str, Any]
+    control: dict[str, Any]
+    rng: dict[str, Any]
 
 
 @dataclass(frozen=True)

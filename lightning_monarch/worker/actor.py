@@ -22,7 +22,7 @@ from monarch.actor import Actor, current_rank, endpoint
 from lightning_monarch.wire.codec import StorageKey, encode
 from lightning_monarch.wire.protocol import Grant, RankStatus, Release
 from lightning_monarch.wire.reports import CheckpointState, RankStats, RankValue, WorkerFailure, WorkerReport
-from lightning_monarch.wire.specs import PreflightSpec, RankSnapshot, StageSpec, WorldSpec
+from lightning_monarch.wire.specs import PreflightSpec, RankSnapshot, StageSpec, ValidationRequest, WorldSpec
 from lightning_monarch.worker import lifeline
 from lightning_monarch.worker.checkpoints import save_full, save_shards
 from lightning_monarch.worker.held_warnings import HELD
@@ -186,6 +186,20 @@ class MonarchWorker(Actor):
         """Leave the sync gate this rank is parked at, or will park at next (R5)."""
         if self._stage is not None:
             self._stage.release(release)
+
+    @endpoint
+    def validation_idle(self) -> bool:
+        """A validation worker (``worker.async_validation``): whether it takes new weights. Asked by
+        its training rank, not the controller."""
+        return self._stage is not None and self._stage.serving is not None and self._stage.serving.idle()
+
+    @endpoint
+    def validate(self, request: Optional[ValidationRequest]) -> None:
+        """A validation worker: validate the weights of ``request``, from its training rank once
+        :meth:`validation_idle`; ``None``, from the controller: end the stage after the validation
+        in progress."""
+        if self._stage is not None and self._stage.serving is not None:
+            self._stage.serving.offer(request)
 
     @endpoint
     def status(self) -> RankStatus:

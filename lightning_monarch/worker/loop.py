@@ -43,6 +43,7 @@ from lightning_monarch.wire.protocol import (
 )
 from lightning_monarch.wire.reports import PredictionShard, WorkerFailure
 from lightning_monarch.wire.specs import RankSnapshot
+from lightning_monarch.worker.async_validation import ValidationServer
 from lightning_monarch.worker.breakpoints import post_mortem
 from lightning_monarch.worker.describe import describe_result, worker_side_result
 from lightning_monarch.worker.entries import EntryRecorder
@@ -129,8 +130,7 @@ class StageLoop:
         self._entries: list[Entry] = []
         self._first_entry_at = 0.0
         #: Whether the loop thread waits: parked at a sync gate, or for credit before a batch.
-        self._parked = False
-        self._credit_waiting = False
+        self._parked = self._credit_waiting = False
         self._ended: Optional[Entry] = None
         #: Batch starts this stage (R4), and how many of them the controller has granted (taken).
         self._started = 0
@@ -150,8 +150,9 @@ class StageLoop:
         self._gate: Optional[str] = None
         self._failed_gate: Optional[str] = None
         self._free_running = False
-        #: A worker callback's trial inside the stage (``worker.trial``).
+        #: A worker callback's trial inside the stage (``worker.trial``); a validation worker's server.
         self.trial = Trial(trainer, self.around)
+        self.serving: Optional[ValidationServer] = None
 
     # ----- endpoint thread -------------------------------------------------------------------
 
@@ -179,9 +180,11 @@ class StageLoop:
         batches, a few per message, instead of one per gate. It returns whole batches where it has
         them (what the next batch recorded meanwhile waits for the next fetch), and everything
         where the controller needs it. A batch in progress that has not ended within
-        :data:`FETCH_STATUS_S` gets this rank's status as the answer, and the entries wait."""
+        :data:`FETCH_STATUS_S` gets this rank's status as the answer, and the entries wait; so does a
+        fetch that finds none in that time, which frees the endpoint for the actor's other messages."""
         with self._cond:
-            self._cond.wait_for(lambda: self._entries or self._stuck() or self._ended is not None)
+            if not self._cond.wait_for(lambda: self._entries or self._stuck() or self._ended, timeout=FETCH_STATUS_S):
+                return RankStatus(self._rank, self._gates)
             if self._batch_interval < FETCH_LINGER_S:
                 linger = self._first_entry_at + FETCH_LINGER_S - time.monotonic()
             else:
@@ -203,10 +206,12 @@ class StageLoop:
 
     def _stuck(self) -> bool:
         """Whether the loop thread waits for something only the controller can send (under the
-        lock): a release, parked at a sync gate, or credit, before a batch."""
+        lock): a release, parked at a sync gate; credit, before a batch. So does a validation worker
+        that waits for weights: its entries are all the controller gets until then."""
         if self._parked:
             return not any(isinstance(item, Release) for item in self._inbox)
-        return self._credit_waiting and self._started >= self._granted_batches + (self._plan.max_ahead or 0)
+        served = self.serving is not None and self.serving.waiting
+        return served or (self._credit_waiting and self._started >= self._granted_batches + (self._plan.max_ahead or 0))
 
     def grant(self, grant: Grant) -> None:
         """Runs on the endpoint thread: the controller took ``grant.batches`` batch starts."""
@@ -320,7 +325,7 @@ class StageLoop:
         if notice:
             entry = dataclasses.replace(entry, notice=True)
         self._gates += 1
-        self._publish(entry)
+        self.publish(entry)
         if entry.sync:
             self._park()
         return worker_side_result(gate, result)
@@ -405,7 +410,7 @@ class StageLoop:
                 lambda: sum(entry.checkpoint is not None for entry in self._entries) < MAX_STAGED_STATES
             )
 
-    def _publish(self, entry: Entry) -> None:
+    def publish(self, entry: Entry) -> None:
         """Rank 0: hand ``entry`` to the endpoint thread, with the warnings this process showed since
         the last one, for the controller to show where its loop takes the entry. The other ranks
         keep theirs until the stage ends."""

@@ -26,6 +26,7 @@ from lightning_monarch.wire.codec import Parcel, open_parcel
 from lightning_monarch.wire.gates import GateCallback, install_hook_gates
 from lightning_monarch.wire.protocol import DATAMODULE_HOOKS, MODULE_HOOKS
 from lightning_monarch.wire.specs import StageSpec, TrainerConfig
+from lightning_monarch.worker.async_validation import HandOff, Mark, ValidationServer
 from lightning_monarch.worker.code_files import name_files
 from lightning_monarch.worker.entries import EntryRecorder
 from lightning_monarch.worker.logger import recording_loggers
@@ -145,6 +146,11 @@ def _build(
     if subclass is not None:
         vars(trainer).update(subclass.attributes)
     lightning_compat.carry_fit_progress(trainer, spec.fit_loop_state)
+
+    def mark(gate: str, number: int, views: bool) -> None:
+        loop.publish(recorder.entry(gate, recorder.arrival(), number, [], views=views))
+
+    server = _async_validation(spec, trainer, rank, mark)
     install_hook_gates(module, "module", MODULE_HOOKS, around)
     for callback in worker_callbacks:
         if isinstance(callback, LearningRateFinder):  # its trial fit: ``worker.trial``
@@ -189,7 +195,7 @@ def _build(
         rank,
         logger_calls,
         state,
-        final_state=spec.fn == "fit" and config.sharding is None,
+        final_state=spec.fn == "fit" and config.sharding is None and server is None,
         hparams=dict(module.hparams),
     )
     loop = StageLoop(
@@ -203,4 +209,20 @@ def _build(
         lambda: storages.hold(state.module),
         spec.post_mortem,
     )
+    loop.serving = server
     return loop
+
+
+def _async_validation(spec: StageSpec, trainer: Trainer, rank: int, mark: Mark) -> Optional[ValidationServer]:
+    """A ``fit`` with asynchronous validation (``worker.async_validation``): a training rank hands
+    its weights to its validation worker where its loop would validate; a validation worker serves
+    them instead of training (without a sanity check: the training ranks run it), and its server
+    is returned."""
+    if spec.validators is not None:
+        trainer.fit_loop.epoch_loop.val_loop.run = HandOff(trainer, spec.validators[rank], mark)  # type: ignore[method-assign]
+    if not spec.serves_validation:
+        return None
+    server = ValidationServer(trainer, mark)
+    trainer.num_sanity_val_steps = 0
+    trainer.fit_loop.run = server  # type: ignore[method-assign]
+    return server

@@ -28,9 +28,10 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn, Optional, TypeVar, Union
 
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from monarch.actor import HostMesh
+from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.mesh.hosts import (
@@ -325,3 +326,17 @@ class ElasticFit:
         self._hooks._record(StageOutcome(num_nodes=self._settings.num_nodes))
         self._trainer.accumulate_grad_batches = self._accumulate
         self.resume_points.remove()
+
+
+class AtNotice(Callback):
+    """The controller's last callback in an elastic ``fit`` on hosts that serve preemption notices:
+    at the end of a training batch, after the user's callbacks (a ``ModelCheckpoint`` among them)
+    ran, where every worker parked because a host got a notice, the session keeps a resume point
+    and goes on without that host (:meth:`StageSession.at_notice`)."""
+
+    def __init__(self, at_notice: Callable[[], None]) -> None:
+        self._at_notice = at_notice
+
+    @override
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self._at_notice()

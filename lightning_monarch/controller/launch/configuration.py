@@ -1,8 +1,9 @@
 """What a Monarch strategy's Trainer arguments ask of the mesh, checked at ``Trainer(...)`` time.
 
 Runs on the controller, called by the strategies (``MonarchStrategy._check_configuration``, when
-Lightning configures the launcher): the accelerator, the hosts, ``min_nodes``, the GPUs of this
-host and the precision plugin are checked, from the strategy's settings, before any worker starts.
+Lightning configures the launcher): the accelerator, the hosts, ``min_nodes``, asynchronous
+validation, the GPUs of this host and the precision plugin are checked, from the strategy's
+settings, before any worker starts.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.actor import HostMesh
 
+from lightning_monarch.controller.features.async_validation import check_async_validation
 from lightning_monarch.controller.launch.accelerator import WorkerGPUAccelerator
 from lightning_monarch.controller.mesh.hosts import host_mesh
 from lightning_monarch.controller.settings import StrategySettings
@@ -36,6 +38,8 @@ def check_configuration(settings: StrategySettings, accelerator: Any, precision:
         )
     if settings.min_nodes is not None:
         _check_min_nodes(settings)
+    if settings.validation == "async":
+        check_async_validation(settings)
     hosts = None
     if settings.hosts is not None:
         hosts = host_mesh(settings.hosts, settings.num_nodes, settings.gpus_per_host, settings.connect_timeout)

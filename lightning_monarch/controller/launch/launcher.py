@@ -14,21 +14,25 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.features import preflight
+from lightning_monarch.controller.features.async_validation import ValidationMesh, refuse_async_callbacks
 from lightning_monarch.controller.features.elastic import ElasticFit
 from lightning_monarch.controller.features.rehearsal import ready_again, rehearse
 from lightning_monarch.controller.launch.stage_inputs import LOADER_STAGES, TRAINER_FN, StageInputs
 from lightning_monarch.controller.loop.callbacks import CallbackPlacement, set_aside_refused
 from lightning_monarch.controller.loop.mirrors import silence_on_exception, skip_teardown_once
 from lightning_monarch.controller.loop.session import StageSession
+from lightning_monarch.controller.loop.validation_replay import ValidationReplay
 from lightning_monarch.controller.mesh.cells import blocks_the_cell
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.pool import MESHES
@@ -96,6 +100,7 @@ class MonarchLauncher(lightning_compat.Launcher):
         callbacks where ``placement`` puts them."""
         settings, stage, module, datamodule = self.settings, inputs.stage, inputs.module, inputs.datamodule
         spec = inputs.spec(settings.num_nodes)
+        validation = _validation_mesh(settings, trainer, inputs, spec)
         if stage == "fit" and settings.rehearse:
             self._rehearse(trainer, module, datamodule, inputs.loaders)
 
@@ -108,11 +113,13 @@ class MonarchLauncher(lightning_compat.Launcher):
         ended_cleanly = reusable = False
 
         def attempt(spec: StageSpec) -> tuple[StageSession, Any]:
-            return self._run_stage(trainer, function, inputs, spec, mesh, warned, elastic)
+            return self._run_stage(trainer, function, inputs, spec, mesh, warned, elastic, validation)
 
         try:
             if not mesh.checked:
                 preflight.check(mesh, key.accelerator, key.process_group_backend, timeout=key.timeout)
+            if validation is not None:
+                spec = validation.start(spec)
             if elastic is None:
                 session, result = attempt(spec)
             else:
@@ -138,6 +145,8 @@ class MonarchLauncher(lightning_compat.Launcher):
             MESHES.release(key, mesh, keep=keep, failed=not (ended_cleanly or reusable))
             if elastic is not None:
                 elastic.restore()
+            if validation is not None:
+                validation.stop(failed=not ended_cleanly)
             if silence is not None:
                 silence()
         # Lightning's handler of its tuner's exit tears the ``fit`` down here, after the workers did
@@ -153,9 +162,11 @@ class MonarchLauncher(lightning_compat.Launcher):
         mesh: WorkerMesh,
         warned: WorkerWarnings,
         elastic: Optional[ElasticFit],
+        validation: Optional[ValidationMesh],
     ) -> tuple[StageSession, Any]:
         """Run Lightning's ``function`` with the controller's loop following the workers of
-        ``mesh``, which run ``spec``; the session it ran and the function's result. A change of an
+        ``mesh``, which run ``spec``, and replaying the validations of ``validation``'s workers;
+        the session it ran and the function's result. A change of an
         elastic ``fit``'s world (``HostsLostError``, ``HostsReturned``, ``PreemptionNoticed``)
         leaves the mesh as it was then, for the elastic feature to change it and run the stage again."""
         warned.num_workers = mesh.num_workers
@@ -183,12 +194,17 @@ class MonarchLauncher(lightning_compat.Launcher):
                 warned=warned,
             )
             self._hooks._attach(session)
-            with session.installed():
+            replay = None
+            if validation is not None and validation.channel is not None:
+                replay = ValidationReplay(session, validation.channel, WorkerWarnings(mesh.num_workers))
+            with session.installed(), replay.installed(trainer) if replay is not None else nullcontext():
                 try:
                     result = function(**inputs.calling(session))
                 except lightning_compat.TunerExit as exit:
                     result, session.tuner_exit = None, exit
                 session.finish(spec.fn)
+            if replay is not None:
+                replay.finish()
             return session, result
         finally:
             self._hooks._attach(None)
@@ -210,6 +226,22 @@ class MonarchLauncher(lightning_compat.Launcher):
         rank_zero_info(f"lightning_monarch: rehearsal of this fit on its workers:\n{report.table()}")
         for warning in report.warnings:
             rank_zero_warn(f"lightning_monarch rehearsal: {warning}")
+
+
+def _validation_mesh(
+    settings: StrategySettings, trainer: Trainer, inputs: StageInputs, spec: StageSpec
+) -> Optional[ValidationMesh]:
+    """The second mesh of a ``fit`` with asynchronous validation, not started yet, once what it
+    does not serve is refused; ``None`` for other stages, and for a module that does not validate."""
+    if settings.validation != "async" or inputs.stage != "fit" or not is_overridden("validation_step", inputs.module):
+        return None
+    if spec.trainer.sharding is not None:
+        raise MisconfigurationException(
+            "`MonarchStrategy(validation='async')` does not validate a sharded module (FSDP, tensor parallel) yet:"
+            " use `validation='sync'` with `MonarchFSDPStrategy` and `MonarchModelParallelStrategy`."
+        )
+    refuse_async_callbacks(trainer)
+    return ValidationMesh(settings)
 
 
 def _show_held_warnings(warned: WorkerWarnings, mesh: Any) -> None:

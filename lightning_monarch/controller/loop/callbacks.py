@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, TypeVar, Union
 
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import (
@@ -245,10 +245,10 @@ def set_aside_refused(trainer: Trainer) -> Callable[[], None]:
     return put_back
 
 
-def check_controller_callbacks(callbacks: Iterable[Callback]) -> None:
-    """Reject callbacks returned by ``configure_callbacks`` that cannot run on the controller,
-    naming where they can run: the module's own callbacks stay on the controller."""
-    for callback in callbacks:
+def check_controller_callbacks(callbacks: Union[Callback, list[Callback], tuple[Callback, ...]]) -> None:
+    """Reject callbacks returned by ``configure_callbacks`` (one, or a list) that cannot run on the
+    controller, naming where they can run: the module's own callbacks stay on the controller."""
+    for callback in callbacks if isinstance(callbacks, (list, tuple)) else (callbacks,):
         _reject_unsupported(callback)
         if runs_on_workers(callback):
             name = type(callback).__name__

@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_monarch._compat.torch import tree_flatten, tree_unflatten
 from lightning_monarch.wire.gates import install_hook_gates
+from lightning_monarch.wire.protocol import GATES, OMITTED
 from lightning_monarch.wire.reports import CheckpointState
 from lightning_monarch.wire.specs import LoaderRef, OptimizerRef, SchedulerConfigRef, SchedulerRef
 
@@ -280,3 +281,41 @@ def silence_on_exception(datamodule: Optional[LightningDataModule]) -> Optional[
     if datamodule is None:
         return None
     return install_hook_gates(datamodule, "controller", ["on_exception"], _skip)
+
+
+def pending_loss() -> torch.Tensor:
+    """The loss of a training step whose outputs no controller callback reads (R6): the controller's
+    loop needs one to go through backward as the workers did."""
+    return torch.zeros((), requires_grad=True)
+
+
+def trainable(output: Any) -> Any:
+    """A training step's loss as the controller's loop needs it: a leaf that accepts ``backward``.
+
+    The real backward ran on the workers; the controller's loop still calls ``backward`` on the
+    value it got, which must not fail.
+    """
+    if isinstance(output, torch.Tensor) and output.is_floating_point():
+        return output.requires_grad_()
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return {**output, "loss": trainable(output["loss"])}
+    return output
+
+
+def stand_in(
+    gate: str, value: Any, closure_runs: Callable[[], int], checkpoint_state: StateSource, loaders: WorkerLoaders
+) -> Any:
+    """What the controller's loop takes for the result rank 0 recorded of ``gate`` (R7): a training
+    step's loss that accepts ``backward`` (or a placeholder), an evaluation step's outputs, mirrors of
+    the optimizers (``closure_runs``: how often the workers ran the closure; ``checkpoint_state``:
+    rank 0's state), plan loaders of the dataloaders (``loaders``: their lengths), or ``value``."""
+    kind, hook = GATES[gate].result, gate.split(".", 1)[1]
+    if kind == "outputs" and hook == "training_step":
+        return pending_loss() if value is OMITTED else trainable(value)
+    if kind == "outputs":
+        return None if value is OMITTED else value
+    if kind == "optimizers":
+        return optimizer_mirrors(value, closure_runs, checkpoint_state)
+    if kind == "loaders":
+        return plan_loaders(value, hook.split("_", 1)[0], loaders)
+    return value

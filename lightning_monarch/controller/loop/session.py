@@ -22,12 +22,10 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 import cloudpickle
-import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
-from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.controller.features.elastic import ElasticFit
+from lightning_monarch.controller.features.elastic import AtNotice, ElasticFit
 from lightning_monarch.controller.loop.attribution import CallbackAttribution
 from lightning_monarch.controller.loop.bulk import take_in_bulk
 from lightning_monarch.controller.loop.callbacks import check_controller_callbacks
@@ -35,7 +33,7 @@ from lightning_monarch.controller.loop.entries import EntryQueue
 from lightning_monarch.controller.loop.logger_calls import LoggerCalls
 from lightning_monarch.controller.loop.metrics import MetricOrigins, mirror_metrics
 from lightning_monarch.controller.loop.mirror_guard import MirrorGuard
-from lightning_monarch.controller.loop.mirrors import WorkerLoaders, follow_optimizers, optimizer_mirrors, plan_loaders
+from lightning_monarch.controller.loop.mirrors import WorkerLoaders, follow_optimizers, stand_in
 from lightning_monarch.controller.loop.other_ranks import OTHER_RANKS
 from lightning_monarch.controller.loop.plan import (
     PLAN_GATES,
@@ -58,7 +56,6 @@ from lightning_monarch.wire.protocol import (
     GATES,
     METRIC_VIEWS,
     MODULE_HOOKS,
-    OMITTED,
     SNAPSHOT_GATE,
     Entry,
     Release,
@@ -98,17 +95,18 @@ class StageSession:
         self._module = module
         self._datamodule = datamodule
         self._gate_callback = GateCallback(self.around)
-        self._notice_callback = _AtNotice(self)
+        self._notice_callback = AtNotice(self.at_notice)
         self._plan = plan
         #: When the workers wait for a snapshot; and an elastic ``fit``, which keeps its resume points there.
-        self._snapshots = snapshots
-        self._elastic = elastic
+        self._snapshots, self._elastic = snapshots, elastic
         #: Shows rank 0's warnings as its entries are taken (``controller.mesh.worker_warnings``).
         self._warned = warned if warned is not None else WorkerWarnings(channel.mesh.num_workers)
         #: Makes rank 0's logger calls on the controller's loggers as entries are taken.
         self.logger_calls = LoggerCalls(trainer)
         #: Entries fetched and not taken yet, and the last one taken.
-        self._queue = EntryQueue(channel, plan.max_ahead, self._warned, self._where)
+        self._queue = EntryQueue(
+            channel, plan.max_ahead, self._warned, lambda: f"after {self._current}, {self._released=}"
+        )
         self._current: Optional[Entry] = None
         #: The gates taken since the last batch start, in order: the batch the loop last ran.
         self._batch_gates: list[str] = []
@@ -119,9 +117,8 @@ class StageSession:
         #: While the controller's loop runs a gated hook: the results of the hooks the workers ran
         #: inside it (the entry's ``nested``), in their order, taken as the controller calls them.
         self._nested_results: Optional[deque[tuple[str, Any]]] = None
-        # Results of hooks the workers ran inside another hook, for the controller to take when its
-        # own loop calls that hook later (``estimated_stepping_batches`` in ``configure_optimizers``
-        # makes a worker build its train dataloader early).
+        #: Results of hooks the workers ran inside another, taken when the controller's loop calls them
+        #: (``estimated_stepping_batches`` makes a worker build its train dataloader early).
         self._early_results: dict[str, deque[Any]] = {}
         self._eval_outputs: deque[dict[str, Any]] = deque()
         #: The last entry whose arrival fields were taken.
@@ -134,6 +131,9 @@ class StageSession:
         self._ended: Optional[Entry] = None
         self.loaders = WorkerLoaders(self.peek)
         self.predictions = PredictionCollector()
+        #: The metric views of the last validation that another mesh ran, under the workers' own
+        #: (``controller.loop.validation_replay``), as a worker that validated itself holds them.
+        self.validated: dict[str, dict[str, Any]] = {}
         #: Which metric each tensor of the controller's metric views stands for.
         self.metric_origins = MetricOrigins()
         #: What the controller's code asks of every worker where they wait (R5).
@@ -218,20 +218,11 @@ class StageSession:
 
     def _result(self, gate: str, value: Any) -> Any:
         if gate == "module.configure_callbacks":
-            check_controller_callbacks(_as_list(value))
+            check_controller_callbacks(value)
         return self._materialize(gate, value)
 
     def _materialize(self, gate: str, value: Any) -> Any:
-        kind, hook = GATES[gate].result, gate.split(".", 1)[1]
-        if kind == "outputs" and hook == "training_step":
-            return _pending_loss() if value is OMITTED else _trainable(value)
-        if kind == "outputs":
-            return None if value is OMITTED else value
-        if kind == "optimizers":
-            return optimizer_mirrors(value, self.closure_runs, self.checkpoint_state)
-        if kind == "loaders":
-            return plan_loaders(value, hook.split("_", 1)[0], self.loaders)
-        return value
+        return stand_in(gate, value, self.closure_runs, self.checkpoint_state, self.loaders)
 
     # ----- entries ---------------------------------------------------------------------------
 
@@ -278,8 +269,29 @@ class StageSession:
         self._batch_gates.append(gate)
         return entry
 
-    def _where(self) -> str:
-        return f"after {self._current.gate if self._current else None}, released={self._released}"
+    def take_mark(self, gate: str, number: int) -> Entry:
+        """Take and apply the next entry: ``gate``, a mark of no hook, for validation point ``number``."""
+        self._leave()
+        entry = self._queue.first(ending=False)
+        if (entry.gate, entry.result) != (gate, number):
+            raise DivergenceError(f"The controller expected `{gate}` {number}; the workers recorded `{entry.gate}`.")
+        self._apply(self._queue.pop())
+        return entry
+
+    @contextmanager
+    def following(self, queue: EntryQueue, channel: StageChannel) -> Iterator[None]:
+        """Let the loop take ``queue``'s entries and release ``channel``'s workers, another mesh's
+        (``controller.loop.validation_replay``), then go on with this stage's where it left them."""
+        self._leave()
+        kept = (self._queue, self._channel, self.requests, self._current, self._control, self._views)
+        self._queue, self._channel, self._current = queue, channel, None
+        self.requests = WorkerRequests(channel, self._require_parked)
+        try:
+            yield
+            self._leave()
+        finally:
+            self._queue, self._channel, self.requests, self._current, self._control, self._views = kept
+            self._released = True
 
     def take_batches(self, stage: str, limit: int) -> int:
         """Take the entries of up to ``limit`` whole batches of the ``stage`` loop (``validation``,
@@ -399,6 +411,7 @@ class StageSession:
         else:
             self._require_parked(f"`trainer.{view}`")
             values = self._channel.ask_rank0("read_metrics", view, journal=True, everyone=True)
+        values = {**self.validated.get(view, {}), **values}
         self.metric_origins.remember(view, values)
         return values
 
@@ -457,40 +470,3 @@ class StageSession:
             # the module's own tensors now, as a ``ddp`` rank 0's checkpoint after ``fit`` would
             # read them, and no second copy of the weights for as long as the Trainer lives
             self.final_state.model.update(module.state_dict())
-
-
-class _AtNotice(Callback):
-    """The controller's last callback in an elastic ``fit`` on hosts that serve preemption notices:
-    at the end of a training batch, after the user's callbacks (a ``ModelCheckpoint`` among them)
-    ran, where every worker parked because a host got a notice, the session keeps a resume point
-    and goes on without that host (:meth:`StageSession.at_notice`)."""
-
-    def __init__(self, session: StageSession) -> None:
-        self._session = session
-
-    @override
-    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        self._session.at_notice()
-
-
-def _pending_loss() -> torch.Tensor:
-    """The loss of a training step whose outputs no controller callback reads (R6): the controller's
-    loop needs one to go through backward as the workers did."""
-    return torch.zeros((), requires_grad=True)
-
-
-def _as_list(callbacks: Any) -> list[Callback]:
-    return list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-
-
-def _trainable(output: Any) -> Any:
-    """A training step's loss as the controller's loop needs it: a leaf that accepts ``backward``.
-
-    The real backward ran on the workers; the controller's loop still calls ``backward`` on the
-    value it got, which must not fail.
-    """
-    if isinstance(output, torch.Tensor) and output.is_floating_point():
-        return output.requires_grad_()
-    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-        return {**output, "loss": _trainable(output["loss"])}
-    return output

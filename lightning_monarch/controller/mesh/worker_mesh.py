@@ -173,6 +173,11 @@ class WorkerMesh:
         #: Each rank's process ID, in rank order.
         self.pids = [self._watch.pids[rank] for rank in range(self.num_workers)]
 
+    def rank_actors(self) -> tuple[Any, ...]:
+        """Each rank's actor, in rank order (workers on this host), for other workers to call."""
+        assert self._world is not None  # a started mesh
+        return self._world.actors()
+
     def preflight(self, spec: PreflightSpec) -> list[WorkerReport]:
         """Every worker's check of itself (``worker.preflight``), in rank order."""
         return by_rank(self._gather(self._workers.preflight.stream(spec)))

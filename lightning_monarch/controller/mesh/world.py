@@ -147,6 +147,12 @@ class WorkerWorld:
             origin[host_label(part.hosts)] = part.slots.index(first)
         return Counted(part.workers.slice(**origin), 1, self._sent)
 
+    def actors(self) -> tuple[Any, ...]:
+        """Each rank's actor, in rank order, where the workers run on this host (one dimension)."""
+        (part,) = self.parts
+        (label,) = part.workers.extent.labels
+        return tuple(part.workers.slice(**{label: rank}) for rank in range(self.num_workers))
+
     def lost_slots(self, timeout: float, stop_timeout: float, refused: set[int]) -> list[int]:
         """The slots of the hosts that do not serve a new process within ``timeout`` seconds: their
         host process is gone, not only a worker. The slots in ``refused`` (their worker address
