@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -194,13 +195,16 @@ for _name in TRACED_HOOKS:
 
 class PlaceRecordingClassifier(Classifier):
     """Touches ``<record_dir>/<step>-<process ID>`` at each training and validation step (not the
-    sanity check's): where they ran (``record_dir`` is an attribute set after construction, not a
-    hyperparameter)."""
+    sanity check's): where they ran (``record_dir`` and ``step_s`` are attributes set after
+    construction, not hyperparameters)."""
 
     record_dir = ""
+    #: Seconds each training step sleeps, as a longer step takes.
+    step_s = 0.0
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         Path(self.record_dir, f"train-{os.getpid()}").touch()
+        time.sleep(self.step_s)
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
 from lightning_monarch import MonarchStrategy
@@ -40,40 +40,63 @@ class RowLogger(Logger):
         pass
 
 
-def _fit(validation: str, root: Path) -> dict[str, Any]:
-    """A two-epoch fit of a classifier with dropout that validates twice an epoch, checkpointing at
-    each training epoch's end; what it logged, kept, saved and where its steps ran."""
-    for name in ("places", "checkpoints"):
+def _fit(validation: str, root: Path, max_epochs: int = 2, ckpt_path: Optional[str] = None) -> dict[str, Any]:
+    """A fit of a classifier with dropout that validates twice an epoch, checkpointing at each
+    training epoch's end and, ranked by a validation metric, at each validation's end; what it
+    logged, kept, saved and where its steps ran."""
+    for name in ("epochs", "best"):
         (root / name).mkdir(parents=True)
-    L.seed_everything(7)
-    model = PlaceRecordingClassifier()
-    model.record_dir = str(root / "places")
-    logger = RowLogger()
+    model, logger = _recording(root)
+    best = ModelCheckpoint(
+        dirpath=root / "best",
+        monitor="val_acc",
+        mode="max",
+        save_top_k=2,
+        save_on_train_epoch_end=False,
+        filename="{epoch}-{step}-{val_acc:.4f}",
+    )
     trainer = L.Trainer(
         strategy=MonarchStrategy(validation=validation),
         accelerator="cpu",
         devices=2,
-        max_epochs=2,
+        max_epochs=max_epochs,
         val_check_interval=0.5,
         log_every_n_steps=2,
         logger=logger,
-        callbacks=[ModelCheckpoint(dirpath=root / "checkpoints", save_on_train_epoch_end=True, save_last=True)],
+        callbacks=[ModelCheckpoint(dirpath=root / "epochs", save_on_train_epoch_end=True, save_last=True), best],
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model)
-    places: dict[str, set[str]] = {}
-    for path in (root / "places").iterdir():
-        step, pid = path.name.split("-")
-        places.setdefault(step, set()).add(pid)
+    trainer.fit(model, ckpt_path=ckpt_path)
     return {
         "rows": logger.rows,
         "callback_metrics": {key: float(value) for key, value in trainer.callback_metrics.items()},
         "weights": model.state_dict(),
         "rng": torch.get_rng_state(),
-        "checkpoints": {path.name: comparable_checkpoint(path) for path in (root / "checkpoints").iterdir()},
-        "places": places,
+        "checkpoints": {
+            str(path.relative_to(root)): comparable_checkpoint(path) for path in sorted(root.glob("*/*.ckpt"))
+        },
+        "best": best.best_model_path,
+        "places": _places(root),
     }
+
+
+def _recording(root: Path) -> tuple[PlaceRecordingClassifier, RowLogger]:
+    """A seeded classifier that records where its steps run under ``root``, and a logger."""
+    (root / "places").mkdir(parents=True)
+    L.seed_everything(7)
+    model = PlaceRecordingClassifier()
+    model.record_dir = str(root / "places")
+    return model, RowLogger()
+
+
+def _places(root: Path) -> dict[str, set[str]]:
+    """The process IDs each kind of step ran in, as the module recorded them under ``root``."""
+    places: dict[str, set[str]] = {}
+    for path in (root / "places").iterdir():
+        step, pid = path.name.split("-")
+        places.setdefault(step, set()).add(pid)
+    return places
 
 
 def test_async_validation_gives_the_synchronous_results(tmp_path: Path) -> None:
@@ -87,12 +110,56 @@ def test_async_validation_gives_the_synchronous_results(tmp_path: Path) -> None:
     assert asynchronous["rows"] == synchronous["rows"]
     assert asynchronous["callback_metrics"] == synchronous["callback_metrics"]
     assert "val_acc" in synchronous["callback_metrics"]
-    assert (
-        sorted(asynchronous["checkpoints"])
-        == sorted(synchronous["checkpoints"])
-        == ["epoch=1-step=12.ckpt", "last.ckpt"]
-    )
-    # the weights, the optimizer, the loops (the validation loop's progress too) and the generators
+    # top-k and last: the same files, the same weights, optimizer, loops (the validation loop's
+    # progress too) and callback states; the best of the same step
+    names = sorted(asynchronous["checkpoints"])
+    assert names == sorted(synchronous["checkpoints"]) and len(names) == 4, names
     assert_same(asynchronous["checkpoints"], synchronous["checkpoints"], "checkpoints")
+    assert Path(asynchronous["best"]).name == Path(synchronous["best"]).name
     assert_same(asynchronous["weights"], synchronous["weights"], "weights")
     assert torch.equal(asynchronous["rng"], synchronous["rng"])
+    # each run resumed from its best checkpoint (mid-epoch, written at a validation's end)
+    resumed = {
+        mode: _fit(mode, tmp_path / f"{mode}-resumed", 3, run["best"])
+        for mode, run in (("async", asynchronous), ("sync", synchronous))
+    }
+    assert resumed["async"]["rows"] == resumed["sync"]["rows"]
+    assert_same(resumed["async"]["weights"], resumed["sync"]["weights"], "resumed weights")
+
+
+def _stopped_early(validation: str, root: Path) -> dict[str, Any]:
+    """A fit of 50 ms steps, validated twice an epoch for up to 3 epochs, that ``EarlyStopping``
+    stops at its second validation (no later one can improve by the ``min_delta`` it asks)."""
+    model, logger = _recording(root)
+    model.step_s = 0.05
+    stopping = EarlyStopping("val_acc", mode="max", patience=0, min_delta=0.5, check_on_train_epoch_end=False)
+    trainer = L.Trainer(
+        strategy=MonarchStrategy(validation=validation),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=3,
+        val_check_interval=0.5,
+        log_every_n_steps=1,
+        logger=logger,
+        callbacks=[stopping],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    return {
+        "stopping": stopping.state_dict(),
+        "validations": [row for row in logger.rows if "val_acc" in row[1]],
+        "global_step": trainer.global_step,
+    }
+
+
+def test_early_stopping_decides_on_the_synchronous_validation(tmp_path: Path) -> None:
+    asynchronous = _stopped_early("async", tmp_path / "async")
+    synchronous = _stopped_early("sync", tmp_path / "sync")
+    # the same decision, on the same validation: the second, at the first epoch's end (step 6)
+    assert synchronous["stopping"]["stopped_epoch"] == 0 and synchronous["global_step"] == 6
+    assert_same(asynchronous["stopping"], synchronous["stopping"], "EarlyStopping")
+    assert asynchronous["validations"] == synchronous["validations"]
+    # the training workers went on until the decision reached them, and stopped then
+    assert 6 < asynchronous["global_step"] < 18

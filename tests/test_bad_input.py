@@ -292,18 +292,26 @@ def test_what_async_validation_does_not_serve_is_refused_at_trainer(options: dic
 
 
 @pytest.mark.parametrize(
-    ("callback", "flags", "match"),
+    ("callback", "match"),
     [
-        (EarlyStopping("val_loss"), {}, r"`EarlyStopping` with .*would stop the training workers"),
-        (ModelCheckpoint(monitor="val_loss"), {"enable_checkpointing": True}, r"ranks checkpoints by `val_loss`"),
-        (None, {"enable_checkpointing": True, "val_check_interval": 0.5}, r"saves at the end of each validation"),
+        (
+            EarlyStopping("val_loss"),
+            r"`EarlyStopping\(monitor='val_loss'\)` with .* decides at each training epoch's end, on the training"
+            r" workers, which hold no validation's values. Pass `check_on_train_epoch_end=False`",
+        ),
+        (
+            ModelCheckpoint(monitor="val_loss"),
+            r"ranks checkpoints at each training epoch's end.*`save_on_train_epoch_end=False`",
+        ),
+        (
+            ModelCheckpoint(monitor="val_loss", save_on_train_epoch_end=True),
+            r"ranks checkpoints at each training epoch",
+        ),
     ],
 )
-def test_callbacks_that_act_on_a_validation_are_refused_before_any_worker_starts(
-    callback: Any, flags: dict[str, Any], match: str
-) -> None:
+def test_callbacks_that_act_on_a_validation_are_refused_before_any_worker_starts(callback: Any, match: str) -> None:
     strategy = MonarchStrategy(validation="async")
-    trainer = _trainer(strategy=strategy, callbacks=[callback] if callback is not None else [], **flags)
+    trainer = _trainer(strategy=strategy, callbacks=[callback], enable_checkpointing=True)
     with pytest.raises(MisconfigurationException, match=match) as error:
         trainer.fit(Classifier())
     _assert_raised_before_spawning(error)

@@ -20,6 +20,7 @@ import torch
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -120,7 +121,7 @@ PRIVATE_NAMES: dict[str, tuple[str, ...]] = {
         "_should_remove_checkpoint",
         "_remove_checkpoint",
     ),
-    "early_stopping": ("_evaluate_stopping_criteria",),
+    "early_stopping": ("_evaluate_stopping_criteria", "_check_on_train_epoch_end"),
     "trainer.fit_loop.epoch_loop": ("_should_accumulate",),
 }
 
@@ -404,13 +405,13 @@ def checkpoint_every_n_epochs(callback: Any) -> int:
     return callback._every_n_epochs
 
 
-def saves_at_validation_end(callback: Any, trainer: Trainer) -> bool:
-    """Whether a ``ModelCheckpoint`` saves at the end of a validation rather than of a training epoch
-    (its ``_should_save_on_train_epoch_end``, for a ``fit`` that validates, before its loaders exist)."""
-    chosen = callback._save_on_train_epoch_end
-    if chosen is not None:
-        return not chosen
-    return not (trainer.check_val_every_n_epoch == 1 and trainer.val_check_interval == 1.0)
+def at_train_epoch_end(callback: Any) -> Optional[bool]:
+    """Whether a ``ModelCheckpoint`` saves (its ``save_on_train_epoch_end``) or an ``EarlyStopping``
+    checks (its ``check_on_train_epoch_end``) at a training epoch's end rather than at a
+    validation's end, as it keeps it (``None``: Lightning decides when the ``fit`` starts)."""
+    if isinstance(callback, EarlyStopping):
+        return callback._check_on_train_epoch_end
+    return callback._save_on_train_epoch_end
 
 
 def set_threads_as_launched(processes_per_host: int) -> None:

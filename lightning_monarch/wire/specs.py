@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 from lightning_monarch._compat.torch import tree_map
 from lightning_monarch.wire.codec import Parcel, Shipment
 from lightning_monarch.wire.protocol import RunAhead
+from lightning_monarch.wire.reports import CheckpointState
 
 
 def versions() -> dict[str, Optional[str]]:
@@ -200,9 +201,9 @@ class StageSpec:
     #: Client libraries' settings that the user's script made (``library_settings``).
     library_settings: dict[tuple[str, str, str], Any] = field(default_factory=dict)
     #: A ``fit`` with asynchronous validation (``MonarchStrategy(validation="async")``): on the
-    #: training mesh, each rank's validation worker, to which it hands its weights at each validation
-    #: point (``worker.async_validation.HandOff``); on the validation mesh, ``serves_validation``.
-    validators: Optional[tuple[Any, ...]] = None
+    #: training mesh, the validation workers (``worker.async_validation.HandOff``); on the
+    #: validation mesh, ``serves_validation``.
+    validators: Optional[Validators] = None
     serves_validation: bool = False
 
     def parcels(self) -> list[Parcel]:
@@ -212,15 +213,30 @@ class StageSpec:
 
 
 @dataclass(frozen=True)
+class Validators:
+    """The validation workers of a ``fit`` with asynchronous validation, as its training ranks see
+    them: each rank's (``actors[rank]``) takes its checkpoint state at each validation point; and
+    whether the controller runs ``EarlyStopping``, whose decision the training ranks take at the
+    first batch after it (``worker.async_validation``)."""
+
+    actors: tuple[Any, ...]
+    early_stopping: bool
+
+
+@dataclass(frozen=True)
 class ValidationRequest:
     """What a training rank hands its validation worker at the ``number``-th validation point of a
     ``fit`` with asynchronous validation, for it to validate as the rank itself would have there:
-    the module's weights, the fit loop's progress (``trainer.fit_loop.state_dict()``), the control
-    state and the rank's random generators (``worker.async_validation``)."""
+    its checkpoint state (the weights, and the optimizer and scheduler state that a checkpoint
+    written at that validation holds), the fit loop's progress (``trainer.fit_loop.state_dict()``),
+    the control state and the rank's random generators (``worker.async_validation``)."""
 
     number: int
-    weights: dict[str, Any]
+    state: CheckpointState
     fit_loop_state: dict[str, Any]
+    #: Whether the rank's validation loop resumes from a checkpoint (a ``fit`` resumed from one
+    #: written at a validation's end finishes that validation first).
+    restarting: bool
     control: dict[str, Any]
     rng: dict[str, Any]
 

@@ -24,6 +24,7 @@ from lightning_monarch.wire.protocol import Grant, RankStatus, Release
 from lightning_monarch.wire.reports import CheckpointState, RankStats, RankValue, WorkerFailure, WorkerReport
 from lightning_monarch.wire.specs import PreflightSpec, RankSnapshot, StageSpec, ValidationRequest, WorldSpec
 from lightning_monarch.worker import lifeline
+from lightning_monarch.worker.async_validation import HandOff, ValidationServer
 from lightning_monarch.worker.checkpoints import save_full, save_shards
 from lightning_monarch.worker.held_warnings import HELD
 from lightning_monarch.worker.loop import StageLoop
@@ -191,15 +192,25 @@ class MonarchWorker(Actor):
     def validation_idle(self) -> bool:
         """A validation worker (``worker.async_validation``): whether it takes new weights. Asked by
         its training rank, not the controller."""
-        return self._stage is not None and self._stage.serving is not None and self._stage.serving.idle()
+        server = self._stage.validation if self._stage is not None else None
+        return isinstance(server, ValidationServer) and server.idle()
 
     @endpoint
     def validate(self, request: Optional[ValidationRequest]) -> None:
         """A validation worker: validate the weights of ``request``, from its training rank once
         :meth:`validation_idle`; ``None``, from the controller: end the stage after the validation
         in progress."""
-        if self._stage is not None and self._stage.serving is not None:
-            self._stage.serving.offer(request)
+        server = self._stage.validation if self._stage is not None else None
+        if isinstance(server, ValidationServer):
+            server.offer(request)
+
+    @endpoint
+    def stop_training(self) -> None:
+        """A training worker of a ``fit`` with asynchronous validation: the controller's
+        ``EarlyStopping`` decided to stop, on a validation it replayed (``HandOff.stop``)."""
+        hand_off = self._stage.validation if self._stage is not None else None
+        if isinstance(hand_off, HandOff):
+            hand_off.stop()
 
     @endpoint
     def status(self) -> RankStatus:

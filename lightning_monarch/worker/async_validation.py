@@ -5,17 +5,25 @@ Runs in worker processes, on each stage's loop thread, of two meshes of one ``fi
 
 - on each **training** worker, :class:`HandOff` stands in for the fit loop's validation: at each
   validation point (not the sanity check) it gives its validation worker (the one of the same rank)
-  the module's weights, the loop's progress, the control state and its random generators, once that
-  worker has finished the previous validation, and goes on training. It draws from the global torch
-  generator what Lightning's validation loop would have drawn (each validation DataLoader's iterator
-  takes its base seed from it), so that training's random numbers stay those of a synchronous run.
-  Rank 0 then records :data:`HANDED_OFF_GATE` for the controller, with what it logged since its
-  last gate (the training step's row comes before the validation's, as synchronously).
+  its checkpoint state (the weights, the optimizers' and schedulers' state), the loop's progress,
+  the control state and its random generators, once that worker has finished the previous
+  validation, and goes on training. It draws from the global torch generator what Lightning's
+  validation loop would have drawn (each validation DataLoader's iterator takes its base seed from
+  it), so that training's random numbers stay those of a synchronous run. Rank 0 then records
+  :data:`HANDED_OFF_GATE` for the controller, with what it logged since its last gate (the training
+  step's row comes before the validation's, as synchronously) and its metric views. Where the
+  controller runs ``EarlyStopping``, which decides on a validation when the controller replays it,
+  the controller's request to stop (:meth:`HandOff.stop`) takes effect at the first training batch
+  that starts after it reached any rank: at each batch start the ranks agree on it in a one-element
+  all-reduce, on a gloo group of the stage's own.
 - on each **validation** worker, :class:`ValidationServer` stands in for the fit loop's run: it sets
   up the validation data once, then for each weights handed to it runs Lightning's own validation
   loop in the training rank's place, between rank 0's :data:`VALIDATION_BEGIN_GATE` and
-  :data:`VALIDATION_END_GATE` (which carries its metric views), until the controller ends the stage. Its actor's endpoints reach it
-  through the stage's loop (``StageLoop.serving``).
+  :data:`VALIDATION_END_GATE` (which carries its metric views), until the controller ends the stage.
+  The training rank's checkpoint state stands for its own meanwhile (``RankState.validated``): a
+  checkpoint written where the validation ends holds the validated step's optimizer state.
+
+The actor's endpoints reach either through the stage's loop (``StageLoop.validation``).
 """
 
 from __future__ import annotations
@@ -26,8 +34,10 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch import Trainer
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch._compat.torch import tree_flatten
@@ -39,6 +49,7 @@ from lightning_monarch.wire.protocol import (
     set_control_state,
 )
 from lightning_monarch.wire.specs import ValidationRequest
+from lightning_monarch.worker.state import RankState
 
 #: Records a mark for the controller (rank 0's, like an entry): its gate, its validation point's
 #: number and whether it carries the metric views (read on every rank, as a gate's are).
@@ -52,14 +63,19 @@ IDLE_POLL_S = 0.01
 _VAL_LOOP_PREFIX = "epoch_loop.val_loop."
 
 
-class HandOff:
-    """Runs on each training worker's loop thread, as ``trainer.fit_loop.epoch_loop.val_loop.run``."""
+class HandOff(Callback):
+    """Runs on each training worker's loop thread, as ``trainer.fit_loop.epoch_loop.val_loop.run``,
+    and as a callback where the controller runs ``EarlyStopping``."""
 
-    def __init__(self, trainer: Trainer, validator: Any, mark: Mark) -> None:
+    def __init__(self, trainer: Trainer, state: RankState, validator: Any, mark: Mark) -> None:
         """``validator``: the actor of this rank's validation worker."""
         self._trainer = trainer
+        self._state = state
         self._validator = validator
         self._mark = mark
+        #: Set by the endpoint thread when the controller's ``EarlyStopping`` decided to stop.
+        self._stop = threading.Event()
+        self._group: Any = None
         self._run = trainer.fit_loop.epoch_loop.val_loop.run  # Lightning's own, for the sanity check
         self._number = 0
         #: The DataLoaders with persistent workers whose first iterator drew its base seed.
@@ -71,18 +87,39 @@ class HandOff:
             return self._run()
         self._number += 1
         request = ValidationRequest(
-            self._number,
-            {name: _copied(value) for name, value in trainer.lightning_module.state_dict().items()},
-            trainer.fit_loop.state_dict(),
-            control_state(trainer),
-            lightning_compat.rng_states(),
+            number=self._number,
+            state=self._state.checkpoint_state(copy=True),
+            fit_loop_state=trainer.fit_loop.state_dict(),
+            restarting=trainer.fit_loop.epoch_loop.val_loop.restarting,
+            control=control_state(trainer),
+            rng=lightning_compat.rng_states(),
         )
         self._draw_as_validation_does()
         while not self._validator.validation_idle.call_one().get():
             time.sleep(IDLE_POLL_S)
         self._validator.validate.call_one(request).get()
-        self._mark(HANDED_OFF_GATE, self._number, False)
+        self._mark(HANDED_OFF_GATE, self._number, True)
         return None
+
+    def stop(self) -> None:
+        """Runs on the endpoint thread: the controller's ``EarlyStopping`` decided to stop."""
+        self._stop.set()
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._group = dist.new_group(backend="gloo")
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        dist.destroy_process_group(self._group)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """Stop after this batch where the controller's request to stop reached any rank."""
+        stop = torch.tensor([float(self._stop.is_set())])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=self._group)
+        if stop.item():
+            trainer.should_stop = True
 
     def _draw_as_validation_does(self) -> None:
         """Draw what Lightning's validation loop draws from the global generators: the base seed of
@@ -104,8 +141,9 @@ class ValidationServer:
     """Runs on each validation worker: its loop thread serves, as ``trainer.fit_loop.run``, the
     weights the endpoint thread takes from the training rank (:meth:`offer`)."""
 
-    def __init__(self, trainer: Trainer, mark: Mark) -> None:
+    def __init__(self, trainer: Trainer, state: RankState, mark: Mark) -> None:
         self._trainer = trainer
+        self._state = state
         self._mark = mark
         self._cond = threading.Condition()
         self._request: Optional[ValidationRequest] = None
@@ -150,24 +188,26 @@ class ValidationServer:
             self._validate(request)
 
     def _validate(self, request: ValidationRequest) -> None:
-        """Validate the training rank's weights in its place: with its loop's progress (but the
-        validation loop's own, which runs here only), control state and random generators."""
+        """Validate the training rank's weights in its place: with its checkpoint state, loop's
+        progress, control state and random generators. The validation loop's progress is its own,
+        since it runs here only, but where the rank's resumes from a checkpoint: then the rank's
+        (as its resume left it, and Lightning's training loop after it)."""
         trainer = self._trainer
-        trainer.lightning_module.load_state_dict(request.weights)
-        progress = {key: value for key, value in request.fit_loop_state.items() if not key.startswith(_VAL_LOOP_PREFIX)}
+        trainer.lightning_module.load_state_dict(request.state.model)
+        self._state.validated = request.state
+        val_loop = trainer.fit_loop.epoch_loop.val_loop
+        progress = request.fit_loop_state
+        if not request.restarting:
+            progress = {key: value for key, value in progress.items() if not key.startswith(_VAL_LOOP_PREFIX)}
         lightning_compat.carry_fit_progress(trainer, progress)
+        val_loop.restarting = request.restarting
         set_control_state(trainer, request.control)
         lightning_compat.set_rng_states(request.rng)
         self._mark(VALIDATION_BEGIN_GATE, request.number, False)
         trainer.validating = True
-        trainer.fit_loop.epoch_loop.val_loop.run()
+        val_loop.run()
         trainer.training = True
         with self._cond:
             self._running = False
             self.waiting = self._request is None and not self._stopping
         self._mark(VALIDATION_END_GATE, request.number, True)
-
-
-def _copied(value: Any) -> Any:
-    """A state dict's value as it travels: a tensor copied to the CPU, as it is at the hand-off."""
-    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value

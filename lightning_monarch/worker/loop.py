@@ -43,7 +43,7 @@ from lightning_monarch.wire.protocol import (
 )
 from lightning_monarch.wire.reports import PredictionShard, WorkerFailure
 from lightning_monarch.wire.specs import RankSnapshot
-from lightning_monarch.worker.async_validation import ValidationServer
+from lightning_monarch.worker.async_validation import HandOff, ValidationServer
 from lightning_monarch.worker.breakpoints import post_mortem
 from lightning_monarch.worker.describe import describe_result, worker_side_result
 from lightning_monarch.worker.entries import EntryRecorder
@@ -150,9 +150,9 @@ class StageLoop:
         self._gate: Optional[str] = None
         self._failed_gate: Optional[str] = None
         self._free_running = False
-        #: A worker callback's trial inside the stage (``worker.trial``); a validation worker's server.
+        #: A worker callback's trial inside the stage (``worker.trial``); asynchronous validation's side.
         self.trial = Trial(trainer, self.around)
-        self.serving: Optional[ValidationServer] = None
+        self.validation: Union[HandOff, ValidationServer, None] = None
 
     # ----- endpoint thread -------------------------------------------------------------------
 
@@ -210,7 +210,7 @@ class StageLoop:
         that waits for weights: its entries are all the controller gets until then."""
         if self._parked:
             return not any(isinstance(item, Release) for item in self._inbox)
-        served = self.serving is not None and self.serving.waiting
+        served = isinstance(self.validation, ValidationServer) and self.validation.waiting
         return served or (self._credit_waiting and self._started >= self._granted_batches + (self._plan.max_ahead or 0))
 
     def grant(self, grant: Grant) -> None:

@@ -12,7 +12,7 @@ on the controller.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, cast
+from typing import Any, Optional, Union, cast
 
 import torch
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
@@ -150,7 +150,8 @@ def _build(
     def mark(gate: str, number: int, views: bool) -> None:
         loop.publish(recorder.entry(gate, recorder.arrival(), number, [], views=views))
 
-    server = _async_validation(spec, trainer, rank, mark)
+    state = RankState(trainer, rank, worker_callbacks)
+    validation = _async_validation(spec, trainer, rank, state, mark)
     install_hook_gates(module, "module", MODULE_HOOKS, around)
     for callback in worker_callbacks:
         if isinstance(callback, LearningRateFinder):  # its trial fit: ``worker.trial``
@@ -189,13 +190,12 @@ def _build(
             settings.undo()
 
     resume = spec.resume.ranks[rank] if spec.resume is not None else None
-    state = RankState(trainer, rank, worker_callbacks)
     recorder = EntryRecorder(
         trainer,
         rank,
         logger_calls,
         state,
-        final_state=spec.fn == "fit" and config.sharding is None and server is None,
+        final_state=spec.fn == "fit" and config.sharding is None and not spec.serves_validation,
         hparams=dict(module.hparams),
     )
     loop = StageLoop(
@@ -209,20 +209,27 @@ def _build(
         lambda: storages.hold(state.module),
         spec.post_mortem,
     )
-    loop.serving = server
+    loop.validation = validation
     return loop
 
 
-def _async_validation(spec: StageSpec, trainer: Trainer, rank: int, mark: Mark) -> Optional[ValidationServer]:
+def _async_validation(
+    spec: StageSpec, trainer: Trainer, rank: int, state: RankState, mark: Mark
+) -> Union[HandOff, ValidationServer, None]:
     """A ``fit`` with asynchronous validation (``worker.async_validation``): a training rank hands
-    its weights to its validation worker where its loop would validate; a validation worker serves
-    them instead of training (without a sanity check: the training ranks run it), and its server
-    is returned."""
-    if spec.validators is not None:
-        trainer.fit_loop.epoch_loop.val_loop.run = HandOff(trainer, spec.validators[rank], mark)  # type: ignore[method-assign]
+    its checkpoint state to its validation worker where its loop would validate (and takes the
+    controller's ``EarlyStopping`` decision as a callback); a validation worker serves them instead
+    of training, without a sanity check (the training ranks run it). Returns either."""
+    validators = spec.validators
+    if validators is not None:
+        hand_off = HandOff(trainer, state, validators.actors[rank], mark)
+        trainer.fit_loop.epoch_loop.val_loop.run = hand_off  # type: ignore[method-assign]
+        if validators.early_stopping:
+            trainer.callbacks.append(hand_off)  # type: ignore[attr-defined]
+        return hand_off
     if not spec.serves_validation:
         return None
-    server = ValidationServer(trainer, mark)
+    server = ValidationServer(trainer, state, mark)
     trainer.num_sanity_val_steps = 0
     trainer.fit_loop.run = server  # type: ignore[method-assign]
     return server

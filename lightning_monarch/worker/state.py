@@ -33,6 +33,9 @@ class RankState:
         self._trainer = trainer
         self._rank = rank
         self._callbacks = callbacks
+        #: A validation worker's: the training rank's checkpoint state of the step it validates,
+        #: which stands for its own (``worker.async_validation``).
+        self.validated: Optional[CheckpointState] = None
 
     @property
     def module(self) -> Any:
@@ -120,7 +123,10 @@ class RankState:
 
     def checkpoint_state(self, copy: bool = False) -> CheckpointState:
         """The model, optimizer, LR-scheduler and precision state that a DDP rank 0 would put in a
-        checkpoint; with ``copy``, a copy that training does not change afterwards."""
+        checkpoint; with ``copy``, a copy that training does not change afterwards. A validation
+        worker's is its training rank's at the step it validates (:attr:`validated`)."""
+        if self.validated is not None:
+            return self.validated
         strategy = self._trainer.strategy
         state = {
             "model": strategy.lightning_module_state_dict(),

@@ -14,7 +14,7 @@ strategy's settings ask (:func:`check_async_validation`), at ``fit`` the callbac
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
@@ -25,7 +25,7 @@ from lightning_monarch.controller.features import preflight
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.controller.settings import StrategySettings
-from lightning_monarch.wire.specs import StageSpec
+from lightning_monarch.wire.specs import StageSpec, Validators
 
 _ASYNC = "`MonarchStrategy(validation='async')`"
 
@@ -61,31 +61,49 @@ def check_async_validation(settings: StrategySettings) -> None:
 
 
 def refuse_async_callbacks(trainer: Trainer) -> None:
-    """At ``fit``, before any worker starts: refuse the callbacks that would act on a validation's
-    result where the synchronous run does, which the training workers have passed by then."""
+    """At ``fit``, before any worker starts: refuse a ``ModelCheckpoint(monitor=...)`` or an
+    ``EarlyStopping`` that decides at each training epoch's end: it does so with every rank's value
+    of the metric it monitors (``controller.loop.collectives``), which the training ranks do not
+    hold of a validation's metrics. At a validation's end the validation workers hold them."""
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        name = type(callback).__name__
         if isinstance(callback, EarlyStopping):
-            why = "would stop the training workers at the validation it decides on, which they passed by then"
+            flag, does = "check_on_train_epoch_end", "decides"
         elif isinstance(callback, ModelCheckpoint) and callback.monitor is not None:
-            why = f"ranks checkpoints by `{callback.monitor}`, which the training workers' state would not match"
-        elif isinstance(callback, ModelCheckpoint) and lightning_compat.saves_at_validation_end(callback, trainer):
-            why = "saves at the end of each validation, where the training workers' state has moved on"
+            flag, does = "save_on_train_epoch_end", "ranks checkpoints"
         else:
             continue
-        raise MisconfigurationException(
-            f"`{name}` with {_ASYNC}: it {why}; asynchronous validation does not serve it yet. Use"
-            " `validation='sync'`, or leave the callback out (`enable_checkpointing=False` for the default"
-            " checkpoint callback; a `ModelCheckpoint` without `monitor` that saves at each training epoch's end"
-            " works)."
-        )
+        if not _at_validation_end(callback, trainer):
+            raise MisconfigurationException(
+                f"`{type(callback).__name__}(monitor={callback.monitor!r})` with {_ASYNC} {does} at each training"
+                " epoch's end, on the training workers, which hold no validation's values. Pass"
+                f" `{flag}=False`: it then {does} at each validation's end, on the validated step; or use"
+                " `validation='sync'`."
+            )
+
+
+def _at_validation_end(callback: Union[EarlyStopping, ModelCheckpoint], trainer: Trainer) -> bool:
+    """Whether ``callback`` decides at the end of a validation rather than of a training epoch, in a
+    ``fit`` that validates, as Lightning decides it when the ``fit`` starts (a ``ModelCheckpoint``'s
+    ``_should_save_on_train_epoch_end``, ``EarlyStopping.setup``)."""
+    chosen = lightning_compat.at_train_epoch_end(callback)
+    if chosen is not None:
+        return not chosen
+    return not (trainer.check_val_every_n_epoch == 1 and trainer.val_check_interval == 1.0)
+
+
+def stops_early(trainer: Trainer) -> bool:
+    """Whether the controller runs an ``EarlyStopping``, whose decision on a replayed validation
+    reaches the training workers at their next batch (``worker.async_validation.HandOff``)."""
+    return any(isinstance(callback, EarlyStopping) for callback in trainer.callbacks)  # type: ignore[attr-defined]
 
 
 class ValidationMesh:
     """Runs on the controller: the validation workers of one ``fit``, and their stage."""
 
-    def __init__(self, settings: StrategySettings) -> None:
+    def __init__(self, settings: StrategySettings, early_stopping: bool) -> None:
+        """``early_stopping``: the controller runs one (:func:`stops_early`)."""
         self._settings = settings
+        self.early_stopping = early_stopping
         self._mesh: Optional[WorkerMesh] = None
         #: The serving stage's traffic, once started.
         self.channel: Optional[StageChannel] = None
@@ -105,7 +123,8 @@ class ValidationMesh:
             shared_memory=self._settings.shared_memory,
         )
         self.channel.start()
-        return dataclasses.replace(spec, validators=self._mesh.rank_actors(), run_ahead=free)
+        validators = Validators(self._mesh.rank_actors(), self.early_stopping)
+        return dataclasses.replace(spec, validators=validators, run_ahead=free)
 
     def stop(self, failed: bool) -> None:
         """Stop the validation workers, killing them if the ``fit`` failed (they may be stuck)."""

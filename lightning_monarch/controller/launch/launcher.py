@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.features import preflight
-from lightning_monarch.controller.features.async_validation import ValidationMesh, refuse_async_callbacks
+from lightning_monarch.controller.features.async_validation import ValidationMesh, refuse_async_callbacks, stops_early
 from lightning_monarch.controller.features.elastic import ElasticFit
 from lightning_monarch.controller.features.rehearsal import ready_again, rehearse
 from lightning_monarch.controller.launch.stage_inputs import LOADER_STAGES, TRAINER_FN, StageInputs
@@ -196,7 +196,8 @@ class MonarchLauncher(lightning_compat.Launcher):
             self._hooks._attach(session)
             replay = None
             if validation is not None and validation.channel is not None:
-                replay = ValidationReplay(session, validation.channel, WorkerWarnings(mesh.num_workers))
+                warned_too = WorkerWarnings(mesh.num_workers)
+                replay = ValidationReplay(session, validation.channel, channel, validation.early_stopping, warned_too)
             with session.installed(), replay.installed(trainer) if replay is not None else nullcontext():
                 try:
                     result = function(**inputs.calling(session))
@@ -241,7 +242,7 @@ def _validation_mesh(
             " use `validation='sync'` with `MonarchFSDPStrategy` and `MonarchModelParallelStrategy`."
         )
     refuse_async_callbacks(trainer)
-    return ValidationMesh(settings)
+    return ValidationMesh(settings, stops_early(trainer))
 
 
 def _show_held_warnings(warned: WorkerWarnings, mesh: Any) -> None:

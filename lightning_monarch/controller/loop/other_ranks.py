@@ -36,11 +36,14 @@ class OtherRanks:
     def __init__(self) -> None:
         self._copies: WeakKeyDictionary[Deciding, list[Any]] = WeakKeyDictionary()
 
-    def start(self, trainer: Trainer, num_workers: int, requests: WorkerRequests) -> list[Callable[[], None]]:
+    def start(
+        self, trainer: Trainer, num_workers: int, requests: Callable[[], WorkerRequests]
+    ) -> list[Callable[[], None]]:
         """A training run of ``trainer`` starts: copy each ``EarlyStopping`` and monitoring
         ``ModelCheckpoint`` for the other ranks, unless its copies go on from the last ``fit`` (not
-        after a checkpoint was restored: every rank loads it). Returns what undoes the stage's
-        following of rank 0's top-k updates, step by step."""
+        after a checkpoint was restored: every rank loads it). ``requests``: the requests to the
+        workers whose entries the loop takes now (a validation mesh's, where one validates). Returns
+        what undoes the stage's following of rank 0's top-k updates, step by step."""
         resumed = trainer.ckpt_path is not None
         undo: list[Callable[[], None]] = []
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
@@ -77,7 +80,7 @@ class OtherRanks:
             lightning_compat.keeps_top_k_only(duplicate)
         return duplicate
 
-    def _follow(self, requests: WorkerRequests) -> Callable[..., None]:
+    def _follow(self, requests: Callable[[], WorkerRequests]) -> Callable[..., None]:
         """Around rank 0's ``ModelCheckpoint._update_best_and_save``: each other rank's copy takes
         its own value of the metric into its top k, under the name rank 0 gave the checkpoint."""
 
@@ -86,7 +89,7 @@ class OtherRanks:
             callback = fn.__self__  # type: ignore[attr-defined]
             current = callback.current_score
             filepath = next(path for path, score in callback.best_k_models.items() if score is current)
-            values = requests.metric_on_every_rank("callback_metrics", callback.monitor)
+            values = requests().metric_on_every_rank("callback_metrics", callback.monitor)
             for rank_callback, value in zip(self._copies[callback], values[1:], strict=True):
                 lightning_compat.top_k_update(rank_callback, current if value is None else value.squeeze(), filepath)
 

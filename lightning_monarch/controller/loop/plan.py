@@ -9,9 +9,9 @@ do nothing):
 
 | callback | sync gates (the workers wait) | entries carry |
 |---|---|---|
-| ``ModelCheckpoint`` without ``monitor`` or ``train_time_interval`` | never | where it may save (train batch ends every ``every_n_train_steps`` steps, train epoch ends, validation ends, the train end with ``save_last``): rank 0's checkpoint state and the metric views |
+| ``ModelCheckpoint`` without ``monitor`` or ``train_time_interval`` | never | where it may save (train batch ends every ``every_n_train_steps`` steps, train epoch ends or validation ends as its ``save_on_train_epoch_end`` says, both where it is ``None``, the train end with ``save_last``): rank 0's checkpoint state and the metric views |
 | other ``ModelCheckpoint`` | where it may save: as above, and every train batch end with ``train_time_interval`` | |
-| ``EarlyStopping`` | where it checks: train epoch ends, validation ends | |
+| ``EarlyStopping`` | where it checks: train epoch ends or validation ends as its ``check_on_train_epoch_end`` says, both where it is ``None`` | |
 | ``GradientAccumulationScheduler`` | train epoch starts | |
 | ``Timer`` | every hook it overrides (every train batch end) | |
 | ``MeshStatsMonitor`` | the train start and every ``logging_interval`` steps | |
@@ -26,7 +26,7 @@ metric views there, and it must not change what the workers would act on.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Optional, TypeVar, cast
+from typing import Any, Optional, TypeVar, Union, cast
 
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.callbacks import (
@@ -122,10 +122,7 @@ def sync_rules(callback: Callback) -> dict[str, SyncRule]:
     if isinstance(callback, ModelCheckpoint):
         return _saves(callback)
     if isinstance(callback, EarlyStopping):
-        return {
-            _gate(callback, "on_train_epoch_end"): WhileFitting(Always()),
-            _gate(callback, "on_validation_end"): WhileFitting(Always()),
-        }
+        return {gate: WhileFitting(Always()) for gate in _epoch_or_validation_ends(callback)}
     if isinstance(callback, GradientAccumulationScheduler):
         return {_gate(callback, "on_train_epoch_start"): Always()}
     if isinstance(callback, MeshStatsMonitor):
@@ -139,13 +136,10 @@ def sync_rules(callback: Callback) -> dict[str, SyncRule]:
 def _saves(callback: ModelCheckpoint) -> dict[str, SyncRule]:
     """Where ``callback`` may save, while fitting (not in ``validate``, nor in the sanity check):
     train batch ends (every ``every_n_train_steps`` steps, or every batch with
-    ``train_time_interval``), train epoch ends, validation ends, and the train end with
-    ``save_last``."""
+    ``train_time_interval``), train epoch ends and validation ends (one of them where its
+    ``save_on_train_epoch_end`` says), and the train end with ``save_last``."""
     every, time_interval = lightning_compat.checkpoint_schedule(callback)
-    rules: dict[str, SyncRule] = {
-        _gate(callback, "on_train_epoch_end"): Always(),
-        _gate(callback, "on_validation_end"): Always(),
-    }
+    rules: dict[str, SyncRule] = dict.fromkeys(_epoch_or_validation_ends(callback), Always())
     if time_interval is not None:
         rules[_gate(callback, "on_train_batch_end")] = Always()
     elif every:
@@ -153,6 +147,16 @@ def _saves(callback: ModelCheckpoint) -> dict[str, SyncRule]:
     if callback.save_last:
         rules[_gate(callback, "on_train_end")] = Always()
     return {gate: WhileFitting(rule) for gate, rule in rules.items()}
+
+
+def _epoch_or_validation_ends(callback: Union[ModelCheckpoint, EarlyStopping]) -> list[str]:
+    """Where a ``ModelCheckpoint`` saves or an ``EarlyStopping`` checks: at training epoch ends, at
+    validation ends, or (Lightning decides when the ``fit`` starts) either."""
+    at_epoch_end = lightning_compat.at_train_epoch_end(callback)
+    return [
+        *([_gate(callback, "on_train_epoch_end")] if at_epoch_end is not False else []),
+        *([_gate(callback, "on_validation_end")] if not at_epoch_end else []),
+    ]
 
 
 def saves_from_entries(callback: Callback) -> bool:

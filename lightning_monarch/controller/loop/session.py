@@ -131,9 +131,9 @@ class StageSession:
         self._ended: Optional[Entry] = None
         self.loaders = WorkerLoaders(self.peek)
         self.predictions = PredictionCollector()
-        #: The metric views of the last validation that another mesh ran, under the workers' own
-        #: (``controller.loop.validation_replay``), as a worker that validated itself holds them.
-        self.validated: dict[str, dict[str, Any]] = {}
+        #: Metric values under those the entries carry: another mesh's, which the workers lack,
+        #: as a worker that validated itself holds them (``controller.loop.validation_replay``).
+        self.beneath: dict[str, dict[str, Any]] = {}
         #: Which metric each tensor of the controller's metric views stands for.
         self.metric_origins = MetricOrigins()
         #: What the controller's code asks of every worker where they wait (R5).
@@ -180,7 +180,7 @@ class StageSession:
         self._leave()
         entry = self._take(gate)
         if gate == "callback.on_train_start":
-            self._undo.extend(OTHER_RANKS.start(self._trainer, self._channel.mesh.num_workers, self.requests))
+            self._undo.extend(OTHER_RANKS.start(self._trainer, self._channel.mesh.num_workers, lambda: self.requests))
         if gate == SNAPSHOT_GATE and entry.sync and self._snapshots is not None:
             if self._elastic is not None:
                 self._elastic.at_resume_point(self._trainer)
@@ -411,7 +411,7 @@ class StageSession:
         else:
             self._require_parked(f"`trainer.{view}`")
             values = self._channel.ask_rank0("read_metrics", view, journal=True, everyone=True)
-        values = {**self.validated.get(view, {}), **values}
+        values = {**self.beneath.get(view, {}), **values}
         self.metric_origins.remember(view, values)
         return values
 

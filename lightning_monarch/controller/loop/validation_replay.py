@@ -17,25 +17,46 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch.controller.loop.entries import EntryQueue
 from lightning_monarch.controller.loop.session import StageSession
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.worker_mesh import Message
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
-from lightning_monarch.wire.protocol import HANDED_OFF_GATE, VALIDATION_BEGIN_GATE, VALIDATION_END_GATE, Release
+from lightning_monarch.wire.protocol import (
+    HANDED_OFF_GATE,
+    METRIC_VIEWS,
+    VALIDATION_BEGIN_GATE,
+    VALIDATION_END_GATE,
+    Entry,
+    Release,
+)
 
 
 class ValidationReplay:
     """Runs on the controller: one ``fit``'s validations, taken from the validation mesh's stage on
     ``channel`` as the ``session``'s loop reaches them."""
 
-    def __init__(self, session: StageSession, channel: StageChannel, warned: WorkerWarnings) -> None:
+    def __init__(
+        self,
+        session: StageSession,
+        channel: StageChannel,
+        training: StageChannel,
+        stops_early: bool,
+        warned: WorkerWarnings,
+    ) -> None:
+        """``training``: the training stage's channel, whose workers a replayed decision to stop
+        reaches where ``stops_early`` (they take it, ``Validators.early_stopping``)."""
         self._session = session
         self._channel = channel
+        self._training = training
+        self._stops_early = stops_early
+        #: Whether a replayed validation stopped the ``fit``: the training workers stop next.
+        self._stopped = False
         self._warned = warned
         #: The validation points replayed so far; the one being replayed.
         self._number = 0
@@ -51,7 +72,10 @@ class ValidationReplay:
         def replay() -> Any:
             if trainer.sanity_checking:
                 return run()
-            return self._replay(run)
+            self._number += 1
+            if self._stopped:
+                return self._discard()
+            return self._pass_on_stop(trainer, self._replay(run))
 
         val_loop.run = replay  # type: ignore[method-assign]
         try:
@@ -59,16 +83,52 @@ class ValidationReplay:
         finally:
             del val_loop.run
 
-    def _replay(self, run: Callable[[], Any]) -> None:
-        self._number += 1
+    def _replay(self, run: Callable[[], Any]) -> Entry:
+        """Replay the next validation with ``run``, Lightning's own validation loop. The metric
+        views are a synchronous run's training rank's: while it runs, the validation mesh's over the
+        training rank's at the hand-off; after it, the training rank's over every validation's.
+        Returns the training rank 0's hand-off mark."""
         session = self._session
-        session.take_mark(HANDED_OFF_GATE, self._number)
+        earlier = session.beneath
+        handed = session.take_mark(HANDED_OFF_GATE, self._number)
+        session.beneath = _over(earlier, handed.views)
         with session.following(self._queue, self._channel):
             self._skip_to_begin()
             session.take_mark(VALIDATION_BEGIN_GATE, self._number)
             run()
             end = session.take_mark(VALIDATION_END_GATE, self._number)
-        session.validated = end.views or {}
+        session.beneath = _over(earlier, end.views)
+        return handed
+
+    def _pass_on_stop(self, trainer: Trainer, handed: Entry) -> None:
+        """Where a controller callback stopped the ``fit`` on the replayed validation (an
+        ``EarlyStopping``): the training workers, which went on meanwhile, stop at their next batch
+        (``worker.async_validation.HandOff``), and the controller's loop follows them there, where
+        their entries carry the stop."""
+        if not trainer.should_stop or handed.control["should_stop"]:
+            return
+        if not self._stops_early:
+            raise MisconfigurationException(
+                "A callback stopped the fit (`trainer.should_stop`) on a validation with"
+                " `MonarchStrategy(validation='async')`, where the training workers passed it already and"
+                " only an `EarlyStopping` given to the `Trainer` can stop them. Give the `EarlyStopping` to the"
+                " `Trainer(callbacks=...)` (not `configure_callbacks`), or use `validation='sync'`."
+            )
+        self._training.mesh.deliver(Message("stop_training", (), wait=False))
+        trainer.should_stop = False
+        self._stopped = True
+
+    def _discard(self) -> None:
+        """A validation that the training workers handed off before their stop reached them, which
+        the synchronous run never reaches: its entries are taken (the validation mesh released where
+        it waits) and its results dropped, so that loggers and callbacks hold the synchronous run's."""
+        self._session.take_mark(HANDED_OFF_GATE, self._number)
+        while True:
+            entry = self._queue.first(ending=False)
+            if self._queue.pop().sync:
+                self._channel.release(Release({}, None))
+            if (entry.gate, entry.result) == (VALIDATION_END_GATE, self._number):
+                return
 
     def _skip_to_begin(self) -> None:
         """Pass over the validation mesh's entries before its first validation: the start of its
@@ -88,3 +148,8 @@ class ValidationReplay:
                 self._channel.release(Release({}, None))
         self._channel.close()
         self._warned.show_every_rank(self._channel.mesh.take_warnings())
+
+
+def _over(below: dict[str, dict[str, Any]], above: Optional[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """The metric views ``above`` laid over ``below``, view by view."""
+    return {view: {**below.get(view, {}), **(above or {}).get(view, {})} for view in METRIC_VIEWS}
