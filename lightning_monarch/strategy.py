@@ -187,8 +187,8 @@ class MonarchStrategy(_OneProcess):
         timeout: the workers' process-group timeout, as Lightning's ``DDPStrategy`` takes it: how
             long a collective waits for a rank (one stopped in pdb, or hung) before it fails. The
             group lives as long as its workers: a warm mesh is reused for the same timeout only.
-        validation: ``"async"`` validates a ``fit`` on a second mesh of CPU workers while training
-            goes on, with the synchronous run's results; see the asynchronous validation page.
+        validation: ``"async"`` validates a ``fit`` on a second mesh of workers (on GPUs, the next
+            ones) while training goes on, with the synchronous run's results; see its page.
         validation_devices: with ``"async"``, the validation workers: as many as train (``None``).
         **ddp_kwargs: keyword arguments for ``DistributedDataParallel`` on the workers, as for
             ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``, ...).

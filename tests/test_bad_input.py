@@ -315,3 +315,9 @@ def test_callbacks_that_act_on_a_validation_are_refused_before_any_worker_starts
     with pytest.raises(MisconfigurationException, match=match) as error:
         trainer.fit(Classifier())
     _assert_raised_before_spawning(error)
+
+
+def test_async_validation_after_every_batch_is_refused_before_any_worker_starts() -> None:
+    trainer = _trainer(strategy=MonarchStrategy(validation="async"), val_check_interval=1)
+    with pytest.raises(MisconfigurationException, match=r"val_check_interval=1\)` with .* after every training batch"):
+        trainer.fit(Classifier())

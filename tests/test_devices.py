@@ -29,7 +29,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from monarch.actor import Actor, attach_to_workers, endpoint
 from monarch.job import ProcessJob
 
+from lightning_monarch import MonarchStrategy
 from lightning_monarch._compat.monarch import failed_rank
+from lightning_monarch.controller.features.async_validation import validation_settings
 from lightning_monarch.controller.mesh.hosts import HOSTS_MESH
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.devices import pin
@@ -265,3 +267,19 @@ def test_a_death_on_another_host_is_named_by_its_global_rank() -> None:
     else:
         assert "'hosts': 1/2, 'gpus': 0/1" in report
         assert failed_rank(report) == 1
+
+
+def test_async_validation_workers_take_the_gpus_after_the_training_ones(cuda_build: pytest.MonkeyPatch) -> None:
+    cuda_build.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    strategy = L.Trainer(
+        strategy=MonarchStrategy(validation="async"), accelerator="gpu", devices=2, logger=False
+    ).strategy
+    key = validation_settings(strategy._settings()).mesh_key()
+    assert key.gpu_indices == (2, 3)
+    assert key.pins == (("CUDA_VISIBLE_DEVICES", "6"), ("CUDA_VISIBLE_DEVICES", "7"))
+    cuda_build.setattr(torch.cuda, "_raw_device_count_nvml", lambda: 3)  # stands in for a host with three GPUs
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"runs its 2 validation workers on the GPUs after the training workers', \[2, 3\], but this host has 3",
+    ):
+        L.Trainer(strategy=MonarchStrategy(validation="async"), accelerator="gpu", devices=2, logger=False)

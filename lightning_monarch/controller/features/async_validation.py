@@ -1,14 +1,15 @@
 """Asynchronous validation's second mesh (``MonarchStrategy(validation="async")``), and what it refuses.
 
 Runs on the controller. A ``fit`` with asynchronous validation runs on two meshes: the training
-workers, and as many validation workers on this host, which validate the weights each training rank
+workers, and as many validation workers on this host (on GPUs, the ones after the training
+workers': :func:`validation_settings`), which validate the weights each training rank
 hands its validation worker at each validation point while training goes on
 (``worker.async_validation``). :class:`ValidationMesh` starts the second mesh and its serving stage
 before the training stage, whose workers it names; the controller's loop replays each validation
 from its entries (``controller.loop.validation_replay``). Input it cannot serve with the
 synchronous run's results is refused before any worker starts: at ``Trainer(...)`` what the
-strategy's settings ask (:func:`check_async_validation`), at ``fit`` the callbacks
-(:func:`refuse_async_callbacks`).
+strategy's settings ask (:func:`check_async_validation`), at ``fit`` the validation interval and
+the callbacks (:func:`refuse_at_fit`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Union
 
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -25,20 +27,17 @@ from lightning_monarch.controller.features import preflight
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.controller.settings import StrategySettings
+from lightning_monarch.devices import host_gpu_count
 from lightning_monarch.wire.specs import StageSpec, Validators
 
 _ASYNC = "`MonarchStrategy(validation='async')`"
 
 
 def check_async_validation(settings: StrategySettings) -> None:
-    """At ``Trainer(...)``: refuse what asynchronous validation does not serve yet."""
+    """At ``Trainer(...)``: refuse what asynchronous validation does not serve yet, and validation
+    workers' GPUs that this host does not have."""
     world = len(settings.devices) * settings.num_nodes
     refusals = [
-        (
-            settings.worker_accelerator == "cuda",
-            "runs its validation workers on CPUs only, for now. Use"
-            " `accelerator='cpu'`, or `validation='sync'` on GPUs",
-        ),
         (
             settings.hosts is not None,
             "runs both meshes on this host only, for now. Drop `hosts=...`, or use `validation='sync'`",
@@ -58,13 +57,39 @@ def check_async_validation(settings: StrategySettings) -> None:
     for refused, why in refusals:
         if refused:
             raise MisconfigurationException(f"{_ASYNC} {why}.")
+    gpus = validation_settings(settings).gpu_indices or ()
+    found = host_gpu_count()
+    if found is not None and any(index >= found for index in gpus):
+        raise MisconfigurationException(
+            f"{_ASYNC} runs its {len(gpus)} validation workers on the GPUs after the training workers',"
+            f" {list(gpus)}, but this host has {found} GPU(s). Train on fewer devices (`devices=`), or use"
+            " `validation='sync'`."
+        )
 
 
-def refuse_async_callbacks(trainer: Trainer) -> None:
-    """At ``fit``, before any worker starts: refuse a ``ModelCheckpoint(monitor=...)`` or an
-    ``EarlyStopping`` that decides at each training epoch's end: it does so with every rank's value
-    of the metric it monitors (``controller.loop.collectives``), which the training ranks do not
-    hold of a validation's metrics. At a validation's end the validation workers hold them."""
+def validation_settings(settings: StrategySettings) -> StrategySettings:
+    """The validation workers' settings: as many as train, on GPUs the ones after the training
+    workers' highest (``devices=[0, 1]`` trains on GPUs 0 and 1 and validates on 2 and 3)."""
+    if settings.worker_accelerator != "cuda":
+        return settings
+    after = 1 + max(device.index or 0 for device in settings.devices)
+    devices = tuple(torch.device("cuda", after + position) for position in range(len(settings.devices)))
+    return dataclasses.replace(settings, devices=devices)
+
+
+def refuse_at_fit(trainer: Trainer) -> None:
+    """At ``fit``, before any worker starts: refuse a ``val_check_interval`` that validates after
+    every training batch, where every validation point would wait for the one before, as
+    synchronous validation waits; and a ``ModelCheckpoint(monitor=...)`` or an ``EarlyStopping``
+    that decides at each training epoch's end: it does so with every rank's value of the metric it
+    monitors (``controller.loop.collectives``), which the training ranks do not hold of a
+    validation's metrics. At a validation's end the validation workers hold them."""
+    if isinstance(trainer.val_check_interval, int) and trainer.val_check_interval == 1:
+        raise MisconfigurationException(
+            f"`Trainer(val_check_interval=1)` with {_ASYNC} validates after every training batch: every validation"
+            " point would wait for the validation before it, as synchronous validation waits. Validate less often,"
+            " or use `validation='sync'`."
+        )
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, EarlyStopping):
             flag, does = "check_on_train_epoch_end", "decides"
@@ -112,8 +137,8 @@ class ValidationMesh:
         """Start the validation workers, check them, and start their stage, which serves the weights
         of the training stage ``spec``; return that stage as it hands its weights to them, its
         workers free of credit (the next validation point bounds their lead)."""
-        key = self._settings.mesh_key()
-        self._mesh = WorkerMesh.spawn(key.per_host, hold_warnings=key.hold_warnings)
+        key = validation_settings(self._settings).mesh_key()
+        self._mesh = WorkerMesh.spawn(key.per_host, key.gpu_indices, hold_warnings=key.hold_warnings)
         self._mesh.step_timeout = self._settings.step_timeout
         preflight.check(self._mesh, key.accelerator, key.process_group_backend, timeout=key.timeout)
         free = dataclasses.replace(spec.run_ahead, max_ahead=None)

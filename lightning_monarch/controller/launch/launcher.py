@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.features import preflight
-from lightning_monarch.controller.features.async_validation import ValidationMesh, refuse_async_callbacks, stops_early
+from lightning_monarch.controller.features.async_validation import ValidationMesh, refuse_at_fit, stops_early
 from lightning_monarch.controller.features.elastic import ElasticFit
 from lightning_monarch.controller.features.rehearsal import ready_again, rehearse
 from lightning_monarch.controller.launch.stage_inputs import LOADER_STAGES, TRAINER_FN, StageInputs
@@ -241,7 +241,7 @@ def _validation_mesh(
             "`MonarchStrategy(validation='async')` does not validate a sharded module (FSDP, tensor parallel) yet:"
             " use `validation='sync'` with `MonarchFSDPStrategy` and `MonarchModelParallelStrategy`."
         )
-    refuse_async_callbacks(trainer)
+    refuse_at_fit(trainer)
     return ValidationMesh(settings, stops_early(trainer))
 
 
