@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -195,12 +196,15 @@ for _name in TRACED_HOOKS:
 
 class PlaceRecordingClassifier(Classifier):
     """Touches ``<record_dir>/<step>-<process ID>`` at each training and validation step (not the
-    sanity check's): where they ran (``record_dir`` and ``step_s`` are attributes set after
-    construction, not hyperparameters)."""
+    sanity check's): where they ran (``record_dir``, ``step_s`` and ``fail_validation`` are
+    attributes set after construction, not hyperparameters)."""
 
     record_dir = ""
     #: Seconds each training step sleeps, as a longer step takes.
     step_s = 0.0
+    #: ``(step, how)``: rank 1's validation of that step fails at its second batch: its hook
+    #: raises (``"raise"``) or its process is killed (``"kill"``).
+    fail_validation: Optional[tuple[int, str]] = None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         Path(self.record_dir, f"train-{os.getpid()}").touch()
@@ -210,6 +214,14 @@ class PlaceRecordingClassifier(Classifier):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         if not self.trainer.sanity_checking:
             Path(self.record_dir, f"validation-{os.getpid()}").touch()
+        if self.fail_validation is not None and (self.trainer.global_step, self.trainer.global_rank, batch_idx) == (
+            self.fail_validation[0],
+            1,
+            1,
+        ):
+            if self.fail_validation[1] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"validation of step {self.trainer.global_step} failed on purpose")
         super().validation_step(batch, batch_idx)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
@@ -163,3 +164,36 @@ def test_early_stopping_decides_on_the_synchronous_validation(tmp_path: Path) ->
     assert asynchronous["validations"] == synchronous["validations"]
     # the training workers went on until the decision reached them, and stopped then
     assert 6 < asynchronous["global_step"] < 18
+
+
+def _failing(validation: str, root: Path, fail: Optional[tuple[int, str]]) -> dict[str, Any]:
+    """The fit of :func:`_fit`, without checkpoints, whose validation of step 6 fails on rank 1 where
+    ``fail`` says how."""
+    model, logger = _recording(root)
+    model.fail_validation = fail
+    trainer = L.Trainer(
+        strategy=MonarchStrategy(validation=validation),
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
+        val_check_interval=0.5,
+        log_every_n_steps=2,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model)
+    return {"rows": logger.rows, "weights": model.state_dict(), "places": _places(root)}
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_failed_validation_is_reported_and_training_goes_on(how: str, tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match=r"the validation at step 6 \(epoch 0\) failed on the validation workers"):
+        asynchronous = _failing("async", tmp_path / "async", (6, how))
+    synchronous = _failing("sync", tmp_path / "sync", None)
+    # the failed validation (the second) has no row; the others, on new validation workers after it, have theirs
+    validations = [row for row in synchronous["rows"] if "val_loss" in row[1]]
+    assert asynchronous["rows"] == [row for row in synchronous["rows"] if row is not validations[1]]
+    assert len(asynchronous["places"]["validation"]) == 4  # two validation workers, then two new ones
+    assert_same(asynchronous["weights"], synchronous["weights"], "weights")

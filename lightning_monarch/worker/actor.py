@@ -22,7 +22,14 @@ from monarch.actor import Actor, current_rank, endpoint
 from lightning_monarch.wire.codec import StorageKey, encode
 from lightning_monarch.wire.protocol import Grant, RankStatus, Release
 from lightning_monarch.wire.reports import CheckpointState, RankStats, RankValue, WorkerFailure, WorkerReport
-from lightning_monarch.wire.specs import PreflightSpec, RankSnapshot, StageSpec, ValidationRequest, WorldSpec
+from lightning_monarch.wire.specs import (
+    PreflightSpec,
+    RankSnapshot,
+    StageSpec,
+    ValidationRequest,
+    Validators,
+    WorldSpec,
+)
 from lightning_monarch.worker import lifeline
 from lightning_monarch.worker.async_validation import HandOff, ValidationServer
 from lightning_monarch.worker.checkpoints import save_full, save_shards
@@ -203,6 +210,14 @@ class MonarchWorker(Actor):
         server = self._stage.validation if self._stage is not None else None
         if isinstance(server, ValidationServer):
             server.offer(request)
+
+    @endpoint
+    def new_validators(self, validators: Validators) -> None:
+        """A training worker of a ``fit`` with asynchronous validation: the controller replaced the
+        validation workers after a failed validation (``HandOff.replace``)."""
+        hand_off = self._stage.validation if self._stage is not None else None
+        if isinstance(hand_off, HandOff):
+            hand_off.replace(validators)
 
     @endpoint
     def stop_training(self) -> None:

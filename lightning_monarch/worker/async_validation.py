@@ -15,7 +15,8 @@ Runs in worker processes, on each stage's loop thread, of two meshes of one ``fi
   controller runs ``EarlyStopping``, which decides on a validation when the controller replays it,
   the controller's request to stop (:meth:`HandOff.stop`) takes effect at the first training batch
   that starts after it reached any rank: at each batch start the ranks agree on it in a one-element
-  all-reduce, on a gloo group of the stage's own.
+  all-reduce, on a gloo group of the stage's own. Where a validation failed, the rank waits at its
+  next validation point until the controller gives it a new validation worker (:meth:`HandOff.replace`).
 - on each **validation** worker, :class:`ValidationServer` stands in for the fit loop's run: it sets
   up the validation data once, then for each weights handed to it runs Lightning's own validation
   loop in the training rank's place, between rank 0's :data:`VALIDATION_BEGIN_GATE` and
@@ -28,6 +29,7 @@ The actor's endpoints reach either through the stage's loop (``StageLoop.validat
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -48,8 +50,10 @@ from lightning_monarch.wire.protocol import (
     control_state,
     set_control_state,
 )
-from lightning_monarch.wire.specs import ValidationRequest
+from lightning_monarch.wire.specs import ValidationRequest, Validators
 from lightning_monarch.worker.state import RankState
+
+log = logging.getLogger(__name__)
 
 #: Records a mark for the controller (rank 0's, like an entry): its gate, its validation point's
 #: number and whether it carries the metric views (read on every rank, as a gate's are).
@@ -59,8 +63,15 @@ Mark = Callable[[str, int, bool], None]
 #: where a validation point comes before it did.
 IDLE_POLL_S = 0.01
 
+#: How often a training rank waiting for its validation worker's answer looks for a replacement.
+_ANSWER_POLL_S = 0.25
+
 #: The fit loop state's keys of the validation loop's own progress, which a validation worker keeps.
 _VAL_LOOP_PREFIX = "epoch_loop.val_loop."
+
+
+class _Replaced(Exception):
+    """The controller replaced this rank's validation worker while the rank waited for it."""
 
 
 class HandOff(Callback):
@@ -73,6 +84,9 @@ class HandOff(Callback):
         self._state = state
         self._validator = validator
         self._mark = mark
+        #: The validation worker that replaces this rank's after a failed validation (:meth:`replace`).
+        self._replaced = threading.Event()
+        self._replacement: Any = None
         #: Set by the endpoint thread when the controller's ``EarlyStopping`` decided to stop.
         self._stop = threading.Event()
         self._group: Any = None
@@ -95,11 +109,40 @@ class HandOff(Callback):
             rng=lightning_compat.rng_states(),
         )
         self._draw_as_validation_does()
-        while not self._validator.validation_idle.call_one().get():
-            time.sleep(IDLE_POLL_S)
-        self._validator.validate.call_one(request).get()
+        while not self._handed(request):
+            self._replaced.wait()
+            self._replaced.clear()
+            self._validator = self._replacement
         self._mark(HANDED_OFF_GATE, self._number, True)
         return None
+
+    def _handed(self, request: ValidationRequest) -> bool:
+        """Hand ``request`` to this rank's validation worker once it finished the validation before;
+        ``False`` where it cannot: the validation failed (its server ended, or the process died),
+        and the controller replaces the validation workers when it replays that validation."""
+        try:
+            while not self._answer(self._validator.validation_idle.call_one()):
+                time.sleep(IDLE_POLL_S)
+            self._answer(self._validator.validate.call_one(request))
+        except Exception as error:  # replaced, or a dead validation worker's actor: Monarch's error, whichever
+            log.debug("Rank %d could not hand its validation over: %s", self._trainer.global_rank, error)
+            return False
+        return True
+
+    def _answer(self, future: Any) -> Any:
+        """The validation worker's answer; :class:`_Replaced` where the controller replaced it first
+        (a call to a killed actor may not end)."""
+        while True:
+            try:
+                return future.get(timeout=_ANSWER_POLL_S)
+            except TimeoutError:
+                if self._replaced.is_set():
+                    raise _Replaced() from None
+
+    def replace(self, validators: Validators) -> None:
+        """Runs on the endpoint thread: the controller replaced the validation workers."""
+        self._replacement = validators.actors[self._trainer.global_rank]
+        self._replaced.set()
 
     def stop(self) -> None:
         """Runs on the endpoint thread: the controller's ``EarlyStopping`` decided to stop."""
@@ -149,15 +192,17 @@ class ValidationServer:
         self._request: Optional[ValidationRequest] = None
         self._running = False
         self._stopping = False
+        self._ended = False
         #: Whether the loop thread waits for weights (read by the stage's fetch, ``worker.loop``).
         self.waiting = False
 
     # ----- endpoint thread -------------------------------------------------------------------
 
     def idle(self) -> bool:
-        """Whether it takes new weights: it holds none, and validates none."""
+        """Whether it takes new weights: it holds none, validates none, and serves (its stage has
+        not ended, by the controller's request or a failed validation)."""
         with self._cond:
-            return self._request is None and not self._running
+            return self._request is None and not self._running and not self._ended
 
     def offer(self, request: Optional[ValidationRequest]) -> None:
         """Validate ``request`` next (the training rank asked :meth:`idle` first); ``None``: end the
@@ -177,15 +222,19 @@ class ValidationServer:
         trainer.validating = True
         trainer.fit_loop.epoch_loop.val_loop.setup_data()
         trainer.training = True
-        while True:
+        try:
+            while True:
+                with self._cond:
+                    self.waiting = self._request is None
+                    self._cond.wait_for(lambda: self._request is not None or self._stopping)
+                    request, self._request = self._request, None
+                    if request is None:
+                        return
+                    self._running = True
+                self._validate(request)
+        finally:
             with self._cond:
-                self.waiting = self._request is None
-                self._cond.wait_for(lambda: self._request is not None or self._stopping)
-                request, self._request = self._request, None
-                if request is None:
-                    return
-                self._running = True
-            self._validate(request)
+                self._ended = True
 
     def _validate(self, request: ValidationRequest) -> None:
         """Validate the training rank's weights in its place: with its checkpoint state, loop's

@@ -123,33 +123,41 @@ def stops_early(trainer: Trainer) -> bool:
 
 
 class ValidationMesh:
-    """Runs on the controller: the validation workers of one ``fit``, and their stage."""
+    """Runs on the controller: the validation workers of one ``fit``, and their stage; new ones
+    where a validation failed (:meth:`replace`)."""
 
     def __init__(self, settings: StrategySettings, early_stopping: bool) -> None:
         """``early_stopping``: the controller runs one (:func:`stops_early`)."""
         self._settings = settings
         self.early_stopping = early_stopping
         self._mesh: Optional[WorkerMesh] = None
+        self._serving: Optional[StageSpec] = None
         #: The serving stage's traffic, once started.
         self.channel: Optional[StageChannel] = None
 
     def start(self, spec: StageSpec) -> StageSpec:
-        """Start the validation workers, check them, and start their stage, which serves the weights
-        of the training stage ``spec``; return that stage as it hands its weights to them, its
-        workers free of credit (the next validation point bounds their lead)."""
+        """Start the validation workers, check them, and start their stage, which serves the
+        checkpoint states of the training stage ``spec``; return that stage as it hands them to
+        these workers, its workers free of credit (the next validation point bounds their lead)."""
+        free = dataclasses.replace(spec.run_ahead, max_ahead=None)
+        self._serving = dataclasses.replace(spec, serves_validation=True, run_ahead=free)
+        return dataclasses.replace(spec, validators=self._serve(), run_ahead=free)
+
+    def replace(self) -> Validators:
+        """After a failed validation: stop these workers, whose stage failed or who died (any peer
+        of a rank that failed may wait in a collective that never ends), and serve on new ones."""
+        self.stop(failed=True)
+        return self._serve()
+
+    def _serve(self) -> Validators:
         key = validation_settings(self._settings).mesh_key()
         self._mesh = WorkerMesh.spawn(key.per_host, key.gpu_indices, hold_warnings=key.hold_warnings)
         self._mesh.step_timeout = self._settings.step_timeout
         preflight.check(self._mesh, key.accelerator, key.process_group_backend, timeout=key.timeout)
-        free = dataclasses.replace(spec.run_ahead, max_ahead=None)
-        self.channel = StageChannel(
-            self._mesh,
-            dataclasses.replace(spec, serves_validation=True, run_ahead=free),
-            shared_memory=self._settings.shared_memory,
-        )
+        assert self._serving is not None  # made by ``start``
+        self.channel = StageChannel(self._mesh, self._serving, shared_memory=self._settings.shared_memory)
         self.channel.start()
-        validators = Validators(self._mesh.rank_actors(), self.early_stopping)
-        return dataclasses.replace(spec, validators=validators, run_ahead=free)
+        return Validators(self._mesh.rank_actors(), self.early_stopping)
 
     def stop(self, failed: bool) -> None:
         """Stop the validation workers, killing them if the ``fit`` failed (they may be stuck)."""

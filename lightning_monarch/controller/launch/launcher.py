@@ -195,9 +195,8 @@ class MonarchLauncher(lightning_compat.Launcher):
             )
             self._hooks._attach(session)
             replay = None
-            if validation is not None and validation.channel is not None:
-                warned_too = WorkerWarnings(mesh.num_workers)
-                replay = ValidationReplay(session, validation.channel, channel, validation.early_stopping, warned_too)
+            if validation is not None:
+                replay = ValidationReplay(session, validation, channel, WorkerWarnings(mesh.num_workers))
             with session.installed(), replay.installed(trainer) if replay is not None else nullcontext():
                 try:
                     result = function(**inputs.calling(session))

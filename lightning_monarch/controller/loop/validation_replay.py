@@ -20,13 +20,16 @@ from contextlib import contextmanager
 from typing import Any, Optional
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_monarch.controller.features.async_validation import ValidationMesh
 from lightning_monarch.controller.loop.entries import EntryQueue
 from lightning_monarch.controller.loop.session import StageSession
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.worker_mesh import Message
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
+from lightning_monarch.errors import MeshFailureError, WorkerError
 from lightning_monarch.wire.protocol import (
     HANDED_OFF_GATE,
     METRIC_VIEWS,
@@ -38,29 +41,33 @@ from lightning_monarch.wire.protocol import (
 
 
 class ValidationReplay:
-    """Runs on the controller: one ``fit``'s validations, taken from the validation mesh's stage on
-    ``channel`` as the ``session``'s loop reaches them."""
+    """Runs on the controller: one ``fit``'s validations, taken from the stage of ``validation``'s
+    workers as the ``session``'s loop reaches them."""
 
     def __init__(
-        self,
-        session: StageSession,
-        channel: StageChannel,
-        training: StageChannel,
-        stops_early: bool,
-        warned: WorkerWarnings,
+        self, session: StageSession, validation: ValidationMesh, training: StageChannel, warned: WorkerWarnings
     ) -> None:
-        """``training``: the training stage's channel, whose workers a replayed decision to stop
-        reaches where ``stops_early`` (they take it, ``Validators.early_stopping``)."""
+        """``training``: the training stage's channel, whose workers a replayed decision to stop and
+        new validation workers reach."""
         self._session = session
-        self._channel = channel
+        self._validation = validation
         self._training = training
-        self._stops_early = stops_early
         #: Whether a replayed validation stopped the ``fit``: the training workers stop next.
         self._stopped = False
         self._warned = warned
         #: The validation points replayed so far; the one being replayed.
         self._number = 0
-        self._queue = EntryQueue(channel, None, warned, lambda: f"in validation {self._number} of the fit")
+        self._queue = self._follow()
+
+    def _follow(self) -> EntryQueue:
+        """The entries of the validation workers' stage, as the loop takes them."""
+        return EntryQueue(self._channel, None, self._warned, lambda: f"in validation {self._number} of the fit")
+
+    @property
+    def _channel(self) -> StageChannel:
+        channel = self._validation.channel
+        assert channel is not None  # the validation workers' stage starts before the training's
+        return channel
 
     @contextmanager
     def installed(self, trainer: Trainer) -> Iterator[None]:
@@ -74,8 +81,8 @@ class ValidationReplay:
                 return run()
             self._number += 1
             if self._stopped:
-                return self._discard()
-            return self._pass_on_stop(trainer, self._replay(run))
+                return self._discard(trainer)
+            return self._pass_on_stop(trainer, self._replay(trainer, run))
 
         val_loop.run = replay  # type: ignore[method-assign]
         try:
@@ -83,22 +90,43 @@ class ValidationReplay:
         finally:
             del val_loop.run
 
-    def _replay(self, run: Callable[[], Any]) -> Entry:
+    def _replay(self, trainer: Trainer, run: Callable[[], Any]) -> Entry:
         """Replay the next validation with ``run``, Lightning's own validation loop. The metric
         views are a synchronous run's training rank's: while it runs, the validation mesh's over the
         training rank's at the hand-off; after it, the training rank's over every validation's.
-        Returns the training rank 0's hand-off mark."""
+        A validation that fails (a hook raised, a validation worker died) has no results: it is
+        reported and the fit goes on (:meth:`_failed`). Returns the training rank 0's hand-off mark."""
         session = self._session
         earlier = session.beneath
         handed = session.take_mark(HANDED_OFF_GATE, self._number)
         session.beneath = _over(earlier, handed.views)
-        with session.following(self._queue, self._channel):
-            self._skip_to_begin()
-            session.take_mark(VALIDATION_BEGIN_GATE, self._number)
-            run()
-            end = session.take_mark(VALIDATION_END_GATE, self._number)
-        session.beneath = _over(earlier, end.views)
+        training = trainer.lightning_module.training
+        try:
+            with session.following(self._queue, self._channel):
+                self._skip_to_begin()
+                session.take_mark(VALIDATION_BEGIN_GATE, self._number)
+                run()
+                end = session.take_mark(VALIDATION_END_GATE, self._number)
+        except (WorkerError, MeshFailureError) as failure:
+            session.beneath = earlier
+            trainer.lightning_module.train(training)
+            self._failed(trainer, failure)
+        else:
+            session.beneath = _over(earlier, end.views)
         return handed
+
+    def _failed(self, trainer: Trainer, failure: Exception) -> None:
+        """The validation of the step the controller's loop is at failed: report it, and let the
+        training workers, which wait at their next validation point, hand it to new validation
+        workers (a peer of a rank that failed may wait in a collective that never ends)."""
+        rank_zero_warn(
+            f"lightning_monarch: the validation at step {trainer.global_step} (epoch {trainer.current_epoch}) failed"
+            f" on the validation workers and has no results; training goes on, and the next validations run on new"
+            f" validation workers. {type(failure).__name__}: {failure}"
+        )
+        validators = self._validation.replace()
+        self._queue = self._follow()
+        self._training.mesh.deliver(Message("new_validators", (validators,), wait=False))
 
     def _pass_on_stop(self, trainer: Trainer, handed: Entry) -> None:
         """Where a controller callback stopped the ``fit`` on the replayed validation (an
@@ -107,7 +135,7 @@ class ValidationReplay:
         their entries carry the stop."""
         if not trainer.should_stop or handed.control["should_stop"]:
             return
-        if not self._stops_early:
+        if not self._validation.early_stopping:
             raise MisconfigurationException(
                 "A callback stopped the fit (`trainer.should_stop`) on a validation with"
                 " `MonarchStrategy(validation='async')`, where the training workers passed it already and"
@@ -118,17 +146,20 @@ class ValidationReplay:
         trainer.should_stop = False
         self._stopped = True
 
-    def _discard(self) -> None:
+    def _discard(self, trainer: Trainer) -> None:
         """A validation that the training workers handed off before their stop reached them, which
         the synchronous run never reaches: its entries are taken (the validation mesh released where
         it waits) and its results dropped, so that loggers and callbacks hold the synchronous run's."""
         self._session.take_mark(HANDED_OFF_GATE, self._number)
-        while True:
-            entry = self._queue.first(ending=False)
-            if self._queue.pop().sync:
-                self._channel.release(Release({}, None))
-            if (entry.gate, entry.result) == (VALIDATION_END_GATE, self._number):
-                return
+        try:
+            while True:
+                entry = self._queue.first(ending=False)
+                if self._queue.pop().sync:
+                    self._channel.release(Release({}, None))
+                if (entry.gate, entry.result) == (VALIDATION_END_GATE, self._number):
+                    return
+        except (WorkerError, MeshFailureError) as failure:
+            self._failed(trainer, failure)
 
     def _skip_to_begin(self) -> None:
         """Pass over the validation mesh's entries before its first validation: the start of its
