@@ -56,18 +56,8 @@ def _fit(validation: str, root: Path, max_epochs: int = 2, ckpt_path: Optional[s
         save_on_train_epoch_end=False,
         filename="{epoch}-{step}-{val_acc:.4f}",
     )
-    trainer = L.Trainer(
-        strategy=MonarchStrategy(validation=validation),
-        accelerator="cpu",
-        devices=2,
-        max_epochs=max_epochs,
-        val_check_interval=0.5,
-        log_every_n_steps=2,
-        logger=logger,
-        callbacks=[ModelCheckpoint(dirpath=root / "epochs", save_on_train_epoch_end=True, save_last=True), best],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    epochs = ModelCheckpoint(dirpath=root / "epochs", save_on_train_epoch_end=True, save_last=True)
+    trainer = _trainer(validation, logger, max_epochs=max_epochs, callbacks=[epochs, best], enable_checkpointing=True)
     trainer.fit(model, ckpt_path=ckpt_path)
     return {
         "rows": logger.rows,
@@ -80,6 +70,22 @@ def _fit(validation: str, root: Path, max_epochs: int = 2, ckpt_path: Optional[s
         "best": best.best_model_path,
         "places": _places(root),
     }
+
+
+def _trainer(validation: str, logger: RowLogger, **flags: Any) -> L.Trainer:
+    """A Trainer on 2 CPU workers that validates twice an epoch, for 2 epochs and without
+    checkpoints unless ``flags`` say otherwise."""
+    options: dict[str, Any] = {"max_epochs": 2, "log_every_n_steps": 2, "enable_checkpointing": False, **flags}
+    return L.Trainer(
+        strategy=MonarchStrategy(validation=validation),
+        accelerator="cpu",
+        devices=2,
+        val_check_interval=0.5,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **options,
+    )
 
 
 def _recording(root: Path) -> tuple[PlaceRecordingClassifier, RowLogger]:
@@ -134,19 +140,7 @@ def _stopped_early(validation: str, root: Path) -> dict[str, Any]:
     model, logger = _recording(root)
     model.step_s = 0.05
     stopping = EarlyStopping("val_acc", mode="max", patience=0, min_delta=0.5, check_on_train_epoch_end=False)
-    trainer = L.Trainer(
-        strategy=MonarchStrategy(validation=validation),
-        accelerator="cpu",
-        devices=2,
-        max_epochs=3,
-        val_check_interval=0.5,
-        log_every_n_steps=1,
-        logger=logger,
-        callbacks=[stopping],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(validation, logger, max_epochs=3, log_every_n_steps=1, callbacks=[stopping])
     trainer.fit(model)
     return {
         "stopping": stopping.state_dict(),
@@ -171,18 +165,7 @@ def _failing(validation: str, root: Path, fail: Optional[tuple[int, str]]) -> di
     ``fail`` says how."""
     model, logger = _recording(root)
     model.fail_validation = fail
-    trainer = L.Trainer(
-        strategy=MonarchStrategy(validation=validation),
-        accelerator="cpu",
-        devices=2,
-        max_epochs=2,
-        val_check_interval=0.5,
-        log_every_n_steps=2,
-        logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _trainer(validation, logger)
     trainer.fit(model)
     return {"rows": logger.rows, "weights": model.state_dict(), "places": _places(root)}
 
