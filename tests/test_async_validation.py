@@ -106,9 +106,14 @@ def _places(root: Path) -> dict[str, set[str]]:
     return places
 
 
-def test_async_validation_gives_the_synchronous_results(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def synchronous(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The synchronous run of :func:`_fit`, which the asynchronous runs of this module compare with."""
+    return _fit("sync", tmp_path_factory.mktemp("sync"))
+
+
+def test_async_validation_gives_the_synchronous_results(synchronous: dict[str, Any], tmp_path: Path) -> None:
     asynchronous = _fit("async", tmp_path / "async")
-    synchronous = _fit("sync", tmp_path / "sync")
     # the validations ran on other processes than the training steps, and synchronously on the same
     assert not asynchronous["places"]["validation"] & asynchronous["places"]["train"]
     assert synchronous["places"]["validation"] == synchronous["places"]["train"]
@@ -160,21 +165,21 @@ def test_early_stopping_decides_on_the_synchronous_validation(tmp_path: Path) ->
     assert 6 < asynchronous["global_step"] < 18
 
 
-def _failing(validation: str, root: Path, fail: Optional[tuple[int, str]]) -> dict[str, Any]:
-    """The fit of :func:`_fit`, without checkpoints, whose validation of step 6 fails on rank 1 where
-    ``fail`` says how."""
+def _failing(root: Path, how: str) -> dict[str, Any]:
+    """The asynchronous fit of :func:`_fit`, without checkpoints, whose validation of step 6 fails on
+    rank 1 as ``how`` says."""
     model, logger = _recording(root)
-    model.fail_validation = fail
-    trainer = _trainer(validation, logger)
-    trainer.fit(model)
+    model.fail_validation = (6, how)
+    _trainer("async", logger).fit(model)
     return {"rows": logger.rows, "weights": model.state_dict(), "places": _places(root)}
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
-def test_a_failed_validation_is_reported_and_training_goes_on(how: str, tmp_path: Path) -> None:
+def test_a_failed_validation_is_reported_and_training_goes_on(
+    how: str, synchronous: dict[str, Any], tmp_path: Path
+) -> None:
     with pytest.warns(UserWarning, match=r"the validation at step 6 \(epoch 0\) failed on the validation workers"):
-        asynchronous = _failing("async", tmp_path / "async", (6, how))
-    synchronous = _failing("sync", tmp_path / "sync", None)
+        asynchronous = _failing(tmp_path, how)
     # the failed validation (the second) has no row; the others, on new validation workers after it, have theirs
     validations = [row for row in synchronous["rows"] if "val_loss" in row[1]]
     assert asynchronous["rows"] == [row for row in synchronous["rows"] if row is not validations[1]]

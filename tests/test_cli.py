@@ -1,5 +1,6 @@
 """``strategy="monarch"`` and ``MonarchStrategy`` work from a LightningCLI YAML config and from its
-command line (``tests/test_pytorch_lightning.py`` runs these in ``pytorch_lightning``'s namespace)."""
+command line (``tests/test_pytorch_lightning.py`` runs these in ``pytorch_lightning``'s namespace),
+with its arguments (asynchronous validation in the class path's)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ STRATEGIES = {
         "    class_path: lightning_monarch.MonarchStrategy\n"
         "    init_args:\n"
         "      process_group_backend: gloo\n"
+        "      validation: async\n"
     ),
     "command line": "",
 }
@@ -48,3 +50,6 @@ def test_cli_config(form: str, tmp_path: Path) -> None:
     cli = LightningCLI(Classifier, args=arguments, save_config_callback=None)
     assert isinstance(cli.trainer.strategy, MonarchStrategy)
     assert cli.trainer.global_step == 2
+    # the class path's validates on a second mesh, with its logged value the training rank's would be
+    assert cli.trainer.strategy.validation == ("async" if form == "class path" else "sync")
+    assert "val_loss" in cli.trainer.callback_metrics
