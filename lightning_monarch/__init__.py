@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference; at run time, __get
         PreflightError,
         RehearsalError,
         UnreachableHostsError,
+        ValidationFailedWarning,
         WorkerError,
         WorkerTimeoutError,
     )
@@ -60,6 +61,7 @@ _PUBLIC_NAMES = {
             "PreflightError",
             "RehearsalError",
             "UnreachableHostsError",
+            "ValidationFailedWarning",
             "WorkerError",
             "WorkerTimeoutError",
         ),
@@ -91,6 +93,7 @@ __all__ = [
     "RehearsalError",
     "RehearsalReport",
     "UnreachableHostsError",
+    "ValidationFailedWarning",
     "WorkerError",
     "WorkerGPUAccelerator",
     "WorkerTimeoutError",

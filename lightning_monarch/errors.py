@@ -100,6 +100,13 @@ class DivergenceError(RuntimeError):
     changed or read what the workers had already moved past (R3, R6). The message names where."""
 
 
+class ValidationFailedWarning(UserWarning):
+    """A validation that ran asynchronously (``MonarchStrategy(validation="async")``) failed on the
+    validation workers: it has no results, and the ``fit`` goes on. To end the ``fit`` with it
+    instead, as a synchronous validation's error would: ``warnings.simplefilter("error",
+    lightning_monarch.ValidationFailedWarning)``."""
+
+
 class PreflightError(RuntimeError):
     """Workers failed their checks before the first step (``lightning-monarch preflight`` runs the
     same checks alone); the message lists every problem, by host and rank."""

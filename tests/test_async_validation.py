@@ -4,6 +4,7 @@ fit gives what the synchronous run gives (``controller.loop.validation_replay``)
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 
-from lightning_monarch import MonarchStrategy
+from lightning_monarch import MonarchStrategy, ValidationFailedWarning
 from tests.models import PlaceRecordingClassifier
 from tests.parity_cases import comparable_checkpoint
 from tests.test_parity import assert_same
@@ -178,10 +179,17 @@ def _failing(root: Path, how: str) -> dict[str, Any]:
 def test_a_failed_validation_is_reported_and_training_goes_on(
     how: str, synchronous: dict[str, Any], tmp_path: Path
 ) -> None:
-    with pytest.warns(UserWarning, match=r"the validation at step 6 \(epoch 0\) failed on the validation workers"):
+    with pytest.warns(ValidationFailedWarning, match=r"the validation at step 6 \(epoch 0\) failed on the validation"):
         asynchronous = _failing(tmp_path, how)
     # the failed validation (the second) has no row; the others, on new validation workers after it, have theirs
     validations = [row for row in synchronous["rows"] if "val_loss" in row[1]]
     assert asynchronous["rows"] == [row for row in synchronous["rows"] if row is not validations[1]]
     assert len(asynchronous["places"]["validation"]) == 4  # two validation workers, then two new ones
     assert_same(asynchronous["weights"], synchronous["weights"], "weights")
+
+
+def test_a_failed_validation_ends_the_fit_where_a_warnings_filter_asks(tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ValidationFailedWarning)
+        with pytest.raises(ValidationFailedWarning, match=r"at step 6 .*Worker rank 1 on host .* RuntimeError"):
+            _failing(tmp_path, "raise")

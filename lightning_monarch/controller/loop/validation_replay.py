@@ -29,7 +29,7 @@ from lightning_monarch.controller.loop.session import StageSession
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.worker_mesh import Message
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
-from lightning_monarch.errors import MeshFailureError, WorkerError
+from lightning_monarch.errors import MeshFailureError, ValidationFailedWarning, WorkerError
 from lightning_monarch.wire.protocol import (
     HANDED_OFF_GATE,
     METRIC_VIEWS,
@@ -116,13 +116,17 @@ class ValidationReplay:
         return handed
 
     def _failed(self, trainer: Trainer, failure: Exception) -> None:
-        """The validation of the step the controller's loop is at failed: report it, and let the
-        training workers, which wait at their next validation point, hand it to new validation
-        workers (a peer of a rank that failed may wait in a collective that never ends)."""
+        """The validation of the step the controller's loop is at failed: report it (a
+        ``ValidationFailedWarning``, which a warnings filter may turn into the ``fit``'s error), and
+        let the training workers, which wait at their next validation point, hand the next ones to
+        new validation workers (a peer of a rank that failed may wait in a collective that never
+        ends)."""
         rank_zero_warn(
             f"lightning_monarch: the validation at step {trainer.global_step} (epoch {trainer.current_epoch}) failed"
             f" on the validation workers and has no results; training goes on, and the next validations run on new"
-            f" validation workers. {type(failure).__name__}: {failure}"
+            f" validation workers (`warnings.simplefilter('error', lightning_monarch.ValidationFailedWarning)` ends"
+            f" the fit instead). {type(failure).__name__}: {failure}",
+            category=ValidationFailedWarning,
         )
         validators = self._validation.replace()
         self._queue = self._follow()
