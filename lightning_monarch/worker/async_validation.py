@@ -70,8 +70,9 @@ _ANSWER_POLL_S = 0.25
 _VAL_LOOP_PREFIX = "epoch_loop.val_loop."
 
 
-class _Replaced(Exception):
-    """The controller replaced this rank's validation worker while the rank waited for it."""
+class _Unanswered(Exception):
+    """This rank's validation worker did not answer: its actor failed (its process died), or the
+    controller replaced it while the rank waited."""
 
 
 class HandOff(Callback):
@@ -124,20 +125,23 @@ class HandOff(Callback):
             while not self._answer(self._validator.validation_idle.call_one()):
                 time.sleep(IDLE_POLL_S)
             self._answer(self._validator.validate.call_one(request))
-        except Exception as error:  # replaced, or a dead validation worker's actor: Monarch's error, whichever
+        except _Unanswered as error:
             log.debug("Rank %d could not hand its validation over: %s", self._trainer.global_rank, error)
             return False
         return True
 
     def _answer(self, future: Any) -> Any:
-        """The validation worker's answer; :class:`_Replaced` where the controller replaced it first
-        (a call to a killed actor may not end)."""
+        """The validation worker's answer; :class:`_Unanswered` where its actor failed (died), or the
+        controller replaced it first (a call to a killed actor may not end). An error in sending
+        the call (a state that cannot be pickled) is raised as it is."""
         while True:
             try:
                 return future.get(timeout=_ANSWER_POLL_S)
             except TimeoutError:
                 if self._replaced.is_set():
-                    raise _Replaced() from None
+                    raise _Unanswered("the controller replaced the validation worker") from None
+            except Exception as error:  # the actor's failure, as Monarch reports it
+                raise _Unanswered(f"{type(error).__name__}: {error}") from error
 
     def replace(self, validators: Validators) -> None:
         """Runs on the endpoint thread: the controller replaced the validation workers."""
