@@ -156,12 +156,9 @@ class ValidationReplay:
         it waits) and its results dropped, so that loggers and callbacks hold the synchronous run's."""
         self._session.take_mark(HANDED_OFF_GATE, self._number)
         try:
-            while True:
-                entry = self._queue.first(ending=False)
-                if self._queue.pop().sync:
-                    self._channel.release(Release({}, None))
-                if (entry.gate, entry.result) == (VALIDATION_END_GATE, self._number):
-                    return
+            entry = self._pass()
+            while (entry.gate, entry.result) != (VALIDATION_END_GATE, self._number):
+                entry = self._pass()
         except (WorkerError, MeshFailureError) as failure:
             self._failed(trainer, failure)
 
@@ -170,17 +167,24 @@ class ValidationReplay:
         ``fit`` (its own ``setup``, ``configure_optimizers``...), which the controller's loop ran
         with the training workers' entries; release it where it waits."""
         while self._queue.first(ending=False).gate != VALIDATION_BEGIN_GATE:
-            if self._queue.pop().sync:
-                self._channel.release(Release({}, None))
+            self._pass()
+
+    def _pass(self, ending: bool = False) -> Entry:
+        """Take the validation mesh's next entry without replaying it, releasing its workers where
+        they wait after it (``ending``: the end of its stage may come, and is taken too)."""
+        entry = self._queue.first(ending=ending)
+        self._queue.pop()
+        if entry.sync:
+            self._channel.release(Release({}, None))
+        return entry
 
     def finish(self) -> None:
         """After the controller's ``fit`` loop ended, having replayed every validation: end the
         validation mesh's stage (it runs the end of its ``fit``), raising its failure; show the
         warnings its ranks hold."""
         self._channel.mesh.deliver(Message("validate", (None,), wait=False))
-        while self._queue.first(ending=True).gate is not None:
-            if self._queue.pop().sync:
-                self._channel.release(Release({}, None))
+        while self._pass(ending=True).gate is not None:
+            pass
         self._channel.close()
         self._warned.show_every_rank(self._channel.mesh.take_warnings())
 
