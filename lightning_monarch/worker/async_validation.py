@@ -197,10 +197,15 @@ class ValidationServer:
         self._running = False
         self._stopping = False
         self._ended = False
-        #: Whether the loop thread waits for weights (read by the stage's fetch, ``worker.loop``).
-        self.waiting = False
 
     # ----- endpoint thread -------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the loop thread waits for weights, which only a training rank sends: its entries
+        so far are all the controller gets until then (read by the stage's fetch, ``worker.loop``)."""
+        with self._cond:
+            return self._request is None and not self._running and not self._stopping and not self._ended
 
     def idle(self) -> bool:
         """Whether it takes new weights: it holds none, validates none, and serves (its stage has
@@ -216,7 +221,6 @@ class ValidationServer:
                 self._stopping = True
             else:
                 self._request = request
-            self.waiting = False
             self._cond.notify_all()
 
     # ----- loop thread -----------------------------------------------------------------------
@@ -229,7 +233,6 @@ class ValidationServer:
         try:
             while True:
                 with self._cond:
-                    self.waiting = self._request is None
                     self._cond.wait_for(lambda: self._request is not None or self._stopping)
                     request, self._request = self._request, None
                     if request is None:
@@ -262,5 +265,4 @@ class ValidationServer:
         trainer.training = True
         with self._cond:
             self._running = False
-            self.waiting = self._request is None and not self._stopping
         self._mark(VALIDATION_END_GATE, request.number, True)
