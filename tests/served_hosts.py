@@ -145,7 +145,10 @@ class NetworkHost(HiddenHost):
 
     def _connect(self, pid: int) -> None:
         """Make the link and hand its far end to the host's network namespace, where the host's
-        shell waits for it (``unshare`` itself, ``pid``, joined that namespace)."""
+        shell waits for it (``unshare`` itself, ``pid``, joined that namespace). ``pid`` may not have
+        made its namespace yet (``Popen`` returns once it runs, and a loaded machine may not schedule
+        it): handing the end over then would leave it here, and the host would wait for it forever."""
+        _own_network(pid)
         _ip("link", "add", self.link, "type", "veth", "peer", "name", f"{self.link}p")
         _ip("link", "set", f"{self.link}p", "netns", str(pid))
         _ip("addr", "add", f"{self.ours}/30", "dev", self.link)
@@ -164,6 +167,16 @@ class NetworkHost(HiddenHost):
     def stop(self) -> None:
         super().stop()
         subprocess.run(["ip", "link", "del", self.link], capture_output=True)
+
+
+def _own_network(pid: int) -> None:
+    """Wait until process ``pid`` is in a network namespace other than this process's; raise after
+    30 s, or where it ends first."""
+    ours, deadline = os.readlink("/proc/self/ns/net"), time.monotonic() + 30
+    while os.readlink(f"/proc/{pid}/ns/net") == ours:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {pid} made no network namespace of its own within 30 s")
+        time.sleep(0.01)
 
 
 def _ip(*args: str) -> None:
