@@ -11,7 +11,7 @@ from typing import Any, Optional
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import Logger
 
 from lightning_monarch import MonarchStrategy, ValidationFailedWarning
@@ -75,15 +75,20 @@ def _fit(validation: str, root: Path, max_epochs: int = 2, ckpt_path: Optional[s
 
 def _trainer(validation: str, logger: RowLogger, **flags: Any) -> L.Trainer:
     """A Trainer on 2 CPU workers that validates twice an epoch, for 2 epochs and without
-    checkpoints unless ``flags`` say otherwise."""
-    options: dict[str, Any] = {"max_epochs": 2, "log_every_n_steps": 2, "enable_checkpointing": False, **flags}
+    checkpoints or a progress bar unless ``flags`` say otherwise."""
+    options: dict[str, Any] = {
+        "max_epochs": 2,
+        "log_every_n_steps": 2,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        **flags,
+    }
     return L.Trainer(
         strategy=MonarchStrategy(validation=validation),
         accelerator="cpu",
         devices=2,
         val_check_interval=0.5,
         logger=logger,
-        enable_progress_bar=False,
         enable_model_summary=False,
         **options,
     )
@@ -142,11 +147,15 @@ def test_async_validation_gives_the_synchronous_results(synchronous: dict[str, A
 
 def _stopped_early(validation: str, root: Path) -> dict[str, Any]:
     """A fit of 50 ms steps, validated twice an epoch for up to 3 epochs, that ``EarlyStopping``
-    stops at its second validation (no later one can improve by the ``min_delta`` it asks)."""
+    stops at its second validation (no later one can improve by the ``min_delta`` it asks); with
+    Lightning's TQDM progress bar, which prints each bar's last state where no terminal is."""
     model, logger = _recording(root)
     model.step_s = 0.05
     stopping = EarlyStopping("val_acc", mode="max", patience=0, min_delta=0.5, check_on_train_epoch_end=False)
-    trainer = _trainer(validation, logger, max_epochs=3, log_every_n_steps=1, callbacks=[stopping])
+    bar = TQDMProgressBar()
+    trainer = _trainer(
+        validation, logger, max_epochs=3, log_every_n_steps=1, callbacks=[stopping, bar], enable_progress_bar=True
+    )
     trainer.fit(model)
     return {
         "stopping": stopping.state_dict(),
@@ -155,9 +164,16 @@ def _stopped_early(validation: str, root: Path) -> dict[str, Any]:
     }
 
 
-def test_early_stopping_decides_on_the_synchronous_validation(tmp_path: Path) -> None:
+def test_early_stopping_decides_on_the_synchronous_validation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     asynchronous = _stopped_early("async", tmp_path / "async")
+    async_bars = capsys.readouterr().out
     synchronous = _stopped_early("sync", tmp_path / "sync")
+    sync_bars = capsys.readouterr().out
+    # each validation's bar names the step it validates, where it runs while training goes on
+    assert "Validation of step 3 DataLoader 0: 100%" in async_bars and "Validation of step 6" in async_bars
+    assert "Validation DataLoader 0: 100%" in sync_bars and "of step" not in sync_bars
     # the same decision, on the same validation: the second, at the first epoch's end (step 6)
     assert synchronous["stopping"]["stopped_epoch"] == 0 and synchronous["global_step"] == 6
     assert_same(asynchronous["stopping"], synchronous["stopping"], "EarlyStopping")

@@ -86,7 +86,8 @@ class ValidationReplay:
 
         val_loop.run = replay  # type: ignore[method-assign]
         try:
-            yield
+            with _naming_steps(trainer):
+                yield
         finally:
             del val_loop.run
 
@@ -187,6 +188,33 @@ class ValidationReplay:
             pass
         self._channel.close()
         self._warned.show_every_rank(self._channel.mesh.take_warnings())
+
+
+@contextmanager
+def _naming_steps(trainer: Trainer) -> Iterator[None]:
+    """The progress bar names each validation's bar after the step whose weights it validates
+    ("Validation of step 40"): the controller replays it while the training workers are ahead, its
+    bar running as the validation workers' entries come (live, where the validation is in flight).
+    Both of Lightning's bars, and any other built on its ``ProgressBar``, read
+    ``validation_description`` as each validation's bar starts; the bar's class is so its own
+    subclass for the fit, under the same names (a callback's checkpoint state is kept under its
+    class's name)."""
+    bar = trainer.progress_bar_callback
+    if bar is None:
+        yield
+        return
+    kind = type(bar)
+    plain = kind.validation_description
+
+    def described(self: Any) -> str:
+        return f"{plain.__get__(self, kind)} of step {trainer.global_step}"
+
+    names = {"__qualname__": kind.__qualname__, "__module__": kind.__module__}
+    bar.__class__ = type(kind.__name__, (kind,), {**names, "validation_description": property(described)})
+    try:
+        yield
+    finally:
+        bar.__class__ = kind
 
 
 def _over(below: dict[str, dict[str, Any]], above: Optional[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
