@@ -48,7 +48,7 @@ def _fit(validation: str, root: Path, max_epochs: int = 2, ckpt_path: Optional[s
     logged, kept, saved and where its steps ran."""
     for name in ("epochs", "best"):
         (root / name).mkdir(parents=True)
-    model, logger = _recording(root)
+    model, logger = recording(root)
     best = ModelCheckpoint(
         dirpath=root / "best",
         monitor="val_acc",
@@ -69,7 +69,7 @@ def _fit(validation: str, root: Path, max_epochs: int = 2, ckpt_path: Optional[s
             str(path.relative_to(root)): comparable_checkpoint(path) for path in sorted(root.glob("*/*.ckpt"))
         },
         "best": best.best_model_path,
-        "places": _places(root),
+        "places": places(root),
     }
 
 
@@ -94,7 +94,7 @@ def _trainer(validation: str, logger: RowLogger, **flags: Any) -> L.Trainer:
     )
 
 
-def _recording(root: Path) -> tuple[PlaceRecordingClassifier, RowLogger]:
+def recording(root: Path) -> tuple[PlaceRecordingClassifier, RowLogger]:
     """A seeded classifier that records where its steps run under ``root``, and a logger."""
     (root / "places").mkdir(parents=True)
     L.seed_everything(7)
@@ -103,13 +103,13 @@ def _recording(root: Path) -> tuple[PlaceRecordingClassifier, RowLogger]:
     return model, RowLogger()
 
 
-def _places(root: Path) -> dict[str, set[str]]:
+def places(root: Path) -> dict[str, set[str]]:
     """The process IDs each kind of step ran in, as the module recorded them under ``root``."""
-    places: dict[str, set[str]] = {}
+    found: dict[str, set[str]] = {}
     for path in (root / "places").iterdir():
         step, pid = path.name.split("-")
-        places.setdefault(step, set()).add(pid)
-    return places
+        found.setdefault(step, set()).add(pid)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +149,7 @@ def _stopped_early(validation: str, root: Path) -> dict[str, Any]:
     """A fit of 50 ms steps, validated twice an epoch for up to 3 epochs, that ``EarlyStopping``
     stops at its second validation (no later one can improve by the ``min_delta`` it asks); with
     Lightning's TQDM progress bar, which prints each bar's last state where no terminal is."""
-    model, logger = _recording(root)
+    model, logger = recording(root)
     model.step_s = 0.05
     stopping = EarlyStopping("val_acc", mode="max", patience=0, min_delta=0.5, check_on_train_epoch_end=False)
     bar = TQDMProgressBar()
@@ -185,10 +185,10 @@ def test_early_stopping_decides_on_the_synchronous_validation(
 def _failing(root: Path, how: str) -> dict[str, Any]:
     """The asynchronous fit of :func:`_fit`, without checkpoints, whose validation of step 6 fails on
     rank 1 as ``how`` says."""
-    model, logger = _recording(root)
+    model, logger = recording(root)
     model.fail_validation = (6, how)
     _trainer("async", logger).fit(model)
-    return {"rows": logger.rows, "weights": model.state_dict(), "places": _places(root)}
+    return {"rows": logger.rows, "weights": model.state_dict(), "places": places(root)}
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])

@@ -284,6 +284,10 @@ def test_bad_validation_options(options: dict[str, Any], match: str) -> None:
     [
         ({"validation_devices": 3}, r"as many workers as train \(2\).*`validation_devices=2`"),
         ({"max_restarts": 1}, r"does not recover from a worker's failure yet.*max_restarts=0"),
+        (
+            {"hosts": ["tcp://127.0.0.1:1"], "min_nodes": 1},
+            r"does not go on without lost hosts yet.*Drop `min_nodes=...`",
+        ),
     ],
 )
 def test_what_async_validation_does_not_serve_is_refused_at_trainer(options: dict[str, Any], match: str) -> None:

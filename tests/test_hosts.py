@@ -24,6 +24,7 @@ from tests.conftest import ROOT, run_ddp_reference
 from tests.models import Classifier
 from tests.parity_cases import HOST_CASES, comparable_checkpoint, run_case
 from tests.served_hosts import ServedHost, closed_port
+from tests.test_async_validation import places, recording
 from tests.test_parity import assert_same
 
 pytestmark = pytest.mark.timeout(600)
@@ -79,6 +80,30 @@ def test_every_worker_sees_torchrun_ranks(job: Any) -> None:
         enable_model_summary=False,
     ).fit(model)
     assert model.ranks == [[0, 0, 0, 4], [1, 1, 0, 4], [2, 0, 1, 4], [3, 1, 1, 4]]
+
+
+def test_async_validation_on_the_hosts_gives_the_synchronous_results(job: Any, tmp_path: Path) -> None:
+    """The validation workers start on the training hosts, each rank's beside its training rank."""
+    runs = {}
+    for mode in ("async", "sync"):
+        model, logger = recording(tmp_path / mode)
+        L.Trainer(
+            strategy=MonarchStrategy(hosts=job, aggregate_window_sec=WINDOW_SEC, validation=mode),
+            accelerator="cpu",
+            devices=2,
+            num_nodes=2,
+            max_epochs=2,
+            log_every_n_steps=1,
+            logger=logger,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(model)
+        runs[mode] = (logger.rows, model.state_dict(), places(tmp_path / mode))
+    (rows, weights, ran), (sync_rows, sync_weights, _) = runs["async"], runs["sync"]
+    assert len(ran["validation"]) == 4 and not ran["validation"] & ran["train"]
+    assert [row for row in sync_rows if "val_loss" in row[1]] and rows == sync_rows
+    assert_same(weights, sync_weights, "weights")
 
 
 class Greeter(Classifier):

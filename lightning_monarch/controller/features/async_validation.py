@@ -1,7 +1,7 @@
 """Asynchronous validation's second mesh (``MonarchStrategy(validation="async")``), and what it refuses.
 
 Runs on the controller. A ``fit`` with asynchronous validation runs on two meshes: the training
-workers, and as many validation workers on this host (on GPUs, the ones after the training
+workers, and as many validation workers on the same hosts (on GPUs, the ones after the training
 workers': :func:`validation_settings`), which validate the weights each training rank
 hands its validation worker at each validation point while training goes on
 (``worker.async_validation``). :class:`ValidationMesh` starts the second mesh and its serving stage
@@ -39,8 +39,9 @@ def check_async_validation(settings: StrategySettings) -> None:
     world = len(settings.devices) * settings.num_nodes
     refusals = [
         (
-            settings.hosts is not None,
-            "runs both meshes on this host only, for now. Drop `hosts=...`, or use `validation='sync'`",
+            settings.min_nodes is not None,
+            "does not go on without lost hosts yet: its validation workers run on the training hosts. Drop"
+            " `min_nodes=...`, or use `validation='sync'`",
         ),
         (
             settings.max_restarts > 0,
@@ -58,7 +59,7 @@ def check_async_validation(settings: StrategySettings) -> None:
         if refused:
             raise MisconfigurationException(f"{_ASYNC} {why}.")
     gpus = validation_settings(settings).gpu_indices or ()
-    found = host_gpu_count()
+    found = host_gpu_count() if settings.hosts is None else None  # other hosts' workers check their own
     if found is not None and any(index >= found for index in gpus):
         raise MisconfigurationException(
             f"{_ASYNC} runs its {len(gpus)} validation workers on the GPUs after the training workers',"
@@ -151,7 +152,7 @@ class ValidationMesh:
 
     def _serve(self) -> Validators:
         key = validation_settings(self._settings).mesh_key()
-        self._mesh = WorkerMesh.spawn(key.per_host, key.gpu_indices, hold_warnings=key.hold_warnings)
+        self._mesh = WorkerMesh.spawn(key.per_host, key.gpu_indices, key.hosts, key.output, key.hold_warnings)
         self._mesh.step_timeout = self._settings.step_timeout
         preflight.check(self._mesh, key.accelerator, key.process_group_backend, timeout=key.timeout)
         assert self._serving is not None  # made by ``start``

@@ -174,7 +174,7 @@ class WorkerMesh:
         self.pids = [self._watch.pids[rank] for rank in range(self.num_workers)]
 
     def rank_actors(self) -> tuple[Any, ...]:
-        """Each rank's actor, in rank order (workers on this host), for other workers to call."""
+        """Each rank's actor, in rank order, for other workers to call."""
         assert self._world is not None  # a started mesh
         return self._world.actors()
 

@@ -148,10 +148,13 @@ class WorkerWorld:
         return Counted(part.workers.slice(**origin), 1, self._sent)
 
     def actors(self) -> tuple[Any, ...]:
-        """Each rank's actor, in rank order, where the workers run on this host (one dimension)."""
-        (part,) = self.parts
-        (label,) = part.workers.extent.labels
-        return tuple(part.workers.slice(**{label: rank}) for rank in range(self.num_workers))
+        """Each rank's actor, in rank order: each host's local ranks, host after host."""
+        actors: list[Any] = []
+        for slot in self.slots:
+            part = next(part for part in self.parts if slot in part.slots)
+            host = {host_label(part.hosts): part.slots.index(slot)} if len(part.workers.extent.labels) > 1 else {}
+            actors.extend(part.workers.slice(**host, **{LOCAL_DIMENSION: local}) for local in range(self._per_host))
+        return tuple(actors)
 
     def lost_slots(self, timeout: float, stop_timeout: float, refused: set[int]) -> list[int]:
         """The slots of the hosts that do not serve a new process within ``timeout`` seconds: their
