@@ -107,6 +107,13 @@ class ValidationFailedWarning(UserWarning):
     lightning_monarch.ValidationFailedWarning)``."""
 
 
+class SharedAttributeError(RuntimeError):
+    """Raised on a validation worker (``MonarchStrategy(validation="async")``) where a validation
+    hook changed a plain attribute of the module that training hooks change too
+    (``worker.module_attributes``); the controller ends the ``fit`` with it, as the ``WorkerError``
+    that names it, not as a failed validation."""
+
+
 class PreflightError(RuntimeError):
     """Workers failed their checks before the first step (``lightning-monarch preflight`` runs the
     same checks alone); the message lists every problem, by host and rank."""

@@ -197,7 +197,9 @@ for _name in TRACED_HOOKS:
 class PlaceRecordingClassifier(Classifier):
     """Touches ``<record_dir>/<step>-<process ID>`` at each training and validation step (not the
     sanity check's): where they ran (``record_dir``, ``step_s`` and ``fail_validation`` are
-    attributes set after construction, not hyperparameters)."""
+    attributes set after construction, not hyperparameters). Counts its training batches in a plain
+    attribute, which each validation logs as ``val_trained_batches``, as a module that anneals
+    something in training and reads it in validation does."""
 
     record_dir = ""
     #: Seconds each training step sleeps, as a longer step takes.
@@ -205,10 +207,12 @@ class PlaceRecordingClassifier(Classifier):
     #: ``(step, how)``: rank 1's validation of that step fails at its second batch: its hook
     #: raises (``"raise"``) or its process is killed (``"kill"``).
     fail_validation: Optional[tuple[int, str]] = None
+    trained_batches = 0
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         Path(self.record_dir, f"train-{os.getpid()}").touch()
         time.sleep(self.step_s)
+        self.trained_batches += 1
         return super().training_step(batch, batch_idx)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -222,6 +226,7 @@ class PlaceRecordingClassifier(Classifier):
             if self.fail_validation[1] == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError(f"validation of step {self.trainer.global_step} failed on purpose")
+        self.log("val_trained_batches", float(self.trained_batches))
         super().validation_step(batch, batch_idx)
 
 

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import Logger
 
-from lightning_monarch import MonarchStrategy, ValidationFailedWarning
+from lightning_monarch import MonarchStrategy, ValidationFailedWarning, WorkerError
 from tests.models import PlaceRecordingClassifier
 from tests.parity_cases import comparable_checkpoint
 from tests.test_parity import assert_same
@@ -128,6 +128,8 @@ def test_async_validation_gives_the_synchronous_results(synchronous: dict[str, A
     assert asynchronous["rows"] == synchronous["rows"]
     assert asynchronous["callback_metrics"] == synchronous["callback_metrics"]
     assert "val_acc" in synchronous["callback_metrics"]
+    # what training_step counted on ``self`` (batches a rank trained) reached each validation
+    assert [row["val_trained_batches"] for _, row in synchronous["rows"] if "val_loss" in row] == [3, 6, 9, 12]
     # top-k and last: the same files, the same weights, optimizer, loops (the validation loop's
     # progress too) and callback states; the best of the same step
     names = sorted(asynchronous["checkpoints"])
@@ -209,3 +211,22 @@ def test_a_failed_validation_ends_the_fit_where_a_warnings_filter_asks(tmp_path:
         warnings.simplefilter("error", ValidationFailedWarning)
         with pytest.raises(ValidationFailedWarning, match=r"at step 6 .*Worker rank 1 on host .* RuntimeError"):
             _failing(tmp_path, "raise")
+
+
+class CountsInBothHooks(PlaceRecordingClassifier):
+    """Counts validation batches in the attribute that counts training batches."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.trained_batches += 1
+        super().validation_step(batch, batch_idx)
+
+
+def test_an_attribute_that_training_and_validation_both_change_is_an_error(tmp_path: Path) -> None:
+    """The validation's change would never reach training, as it would synchronously."""
+    (tmp_path / "places").mkdir()
+    model = CountsInBothHooks()
+    model.record_dir = str(tmp_path / "places")
+    with pytest.raises(
+        WorkerError, match=r"SharedAttributeError.*`self.trained_batches` changed in training hooks and"
+    ):
+        _trainer("async", RowLogger()).fit(model)

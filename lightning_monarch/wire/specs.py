@@ -229,7 +229,8 @@ class ValidationRequest:
     ``fit`` with asynchronous validation, for it to validate as the rank itself would have there:
     its checkpoint state (the weights, and the optimizer and scheduler state that a checkpoint
     written at that validation holds), the fit loop's progress (``trainer.fit_loop.state_dict()``),
-    the control state and the rank's random generators (``worker.async_validation``)."""
+    the control state, the rank's random generators and the module's plain attributes that training
+    changed (``worker.async_validation``)."""
 
     number: int
     state: CheckpointState
@@ -239,6 +240,9 @@ class ValidationRequest:
     restarting: bool
     control: dict[str, Any]
     rng: dict[str, Any]
+    #: The module's plain attributes that differ from the ``fit``'s start, pickled, by their
+    #: module's path and name (``worker.module_attributes``).
+    attributes: dict[tuple[str, str], bytes]
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ Runs in worker processes, on each stage's loop thread, of two meshes of one ``fi
 - on each **training** worker, :class:`HandOff` stands in for the fit loop's validation: at each
   validation point (not the sanity check) it gives its validation worker (the one of the same rank)
   its checkpoint state (the weights, the optimizers' and schedulers' state), the loop's progress,
-  the control state and its random generators, once that worker has finished the previous
-  validation, and goes on training. It draws from the global torch generator what Lightning's
+  the control state, its random generators and the module's plain attributes that training changed
+  (``worker.module_attributes``), once that worker has finished the previous validation, and goes
+  on training. It draws from the global torch generator what Lightning's
   validation loop would have drawn (each validation DataLoader's iterator takes its base seed from
   it), so that training's random numbers stay those of a synchronous run. Rank 0 then records
   :data:`HANDED_OFF_GATE` for the controller, with what it logged since its last gate (the training
@@ -51,6 +52,7 @@ from lightning_monarch.wire.protocol import (
     set_control_state,
 )
 from lightning_monarch.wire.specs import ValidationRequest, Validators
+from lightning_monarch.worker.module_attributes import Key, PlainAttributes
 from lightning_monarch.worker.state import RankState
 
 log = logging.getLogger(__name__)
@@ -77,11 +79,17 @@ class _Unanswered(Exception):
 
 class HandOff(Callback):
     """Runs on each training worker's loop thread, as ``trainer.fit_loop.epoch_loop.val_loop.run``,
-    and as a callback where the controller runs ``EarlyStopping``."""
+    and as a callback: it reads the module's plain attributes as the ``fit`` starts, and where the
+    controller runs ``EarlyStopping``, takes its decision at a batch start."""
 
-    def __init__(self, trainer: Trainer, state: RankState, validator: Any, mark: Mark) -> None:
-        """``validator``: the actor of this rank's validation worker."""
+    def __init__(self, trainer: Trainer, state: RankState, validator: Any, mark: Mark, early_stopping: bool) -> None:
+        """``validator``: the actor of this rank's validation worker; ``early_stopping``: the
+        controller runs an ``EarlyStopping``, whose decision the ranks take at a batch start."""
         self._trainer = trainer
+        self._early_stopping = early_stopping
+        #: The module's plain attributes, and as they were at the ``fit``'s start (``on_fit_start``).
+        self._attributes: Optional[PlainAttributes] = None
+        self._at_start: dict[Key, bytes] = {}
         self._state = state
         self._validator = validator
         self._mark = mark
@@ -101,6 +109,7 @@ class HandOff(Callback):
         if trainer.sanity_checking:
             return self._run()
         self._number += 1
+        assert self._attributes is not None  # read at ``on_fit_start``, before any validation point
         request = ValidationRequest(
             number=self._number,
             state=self._state.checkpoint_state(copy=True),
@@ -108,6 +117,7 @@ class HandOff(Callback):
             restarting=trainer.fit_loop.epoch_loop.val_loop.restarting,
             control=control_state(trainer),
             rng=lightning_compat.rng_states(),
+            attributes=self._attributes.changed_since(self._at_start),
         )
         self._draw_as_validation_does()
         while not self._handed(request):
@@ -154,15 +164,26 @@ class HandOff(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._group = dist.new_group(backend="gloo")
+        if self._early_stopping:
+            self._group = dist.new_group(backend="gloo")
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The module's plain attributes once its ``setup`` and ``configure_*`` hooks ran, as they
+        ran on the validation workers too: what training changes after is what they lack."""
+        self._attributes = PlainAttributes(pl_module)
+        self._at_start = self._attributes.read()
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        dist.destroy_process_group(self._group)
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Stop after this batch where the controller's request to stop reached any rank."""
+        if not self._early_stopping:
+            return
         stop = torch.tensor([float(self._stop.is_set())])
         dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=self._group)
         if stop.item():
@@ -192,6 +213,8 @@ class ValidationServer:
         self._trainer = trainer
         self._state = state
         self._mark = mark
+        #: The module's plain attributes, once the ``fit`` attached it.
+        self._attributes: Optional[PlainAttributes] = None
         self._cond = threading.Condition()
         self._request: Optional[ValidationRequest] = None
         self._running = False
@@ -227,6 +250,7 @@ class ValidationServer:
 
     def __call__(self) -> None:
         trainer = self._trainer
+        self._attributes = PlainAttributes(trainer.lightning_module)
         trainer.validating = True
         trainer.fit_loop.epoch_loop.val_loop.setup_data()
         trainer.training = True
@@ -259,10 +283,13 @@ class ValidationServer:
         val_loop.restarting = request.restarting
         set_control_state(trainer, request.control)
         lightning_compat.set_rng_states(request.rng)
+        assert self._attributes is not None  # made as the server started
+        before = self._attributes.take(request.attributes)
         self._mark(VALIDATION_BEGIN_GATE, request.number, False)
         trainer.validating = True
         val_loop.run()
         trainer.training = True
+        self._attributes.check_unshared(before, request.attributes)
         with self._cond:
             self._running = False
         self._mark(VALIDATION_END_GATE, request.number, True)

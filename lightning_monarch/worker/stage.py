@@ -217,15 +217,15 @@ def _async_validation(
     spec: StageSpec, trainer: Trainer, rank: int, state: RankState, mark: Mark
 ) -> Union[HandOff, ValidationServer, None]:
     """A ``fit`` with asynchronous validation (``worker.async_validation``): a training rank hands
-    its checkpoint state to its validation worker where its loop would validate (and takes the
-    controller's ``EarlyStopping`` decision as a callback); a validation worker serves them instead
+    its checkpoint state to its validation worker where its loop would validate (and, as a
+    callback, reads the module's attributes at the fit's start and takes the controller's
+    ``EarlyStopping`` decision); a validation worker serves them instead
     of training, without a sanity check (the training ranks run it). Returns either."""
     validators = spec.validators
     if validators is not None:
-        hand_off = HandOff(trainer, state, validators.actors[rank], mark)
+        hand_off = HandOff(trainer, state, validators.actors[rank], mark, validators.early_stopping)
         trainer.fit_loop.epoch_loop.val_loop.run = hand_off  # type: ignore[method-assign]
-        if validators.early_stopping:
-            trainer.callbacks.append(hand_off)  # type: ignore[attr-defined]
+        trainer.callbacks.append(hand_off)  # type: ignore[attr-defined]
         return hand_off
     if not spec.serves_validation:
         return None

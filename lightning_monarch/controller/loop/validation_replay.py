@@ -29,7 +29,7 @@ from lightning_monarch.controller.loop.session import StageSession
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.worker_mesh import Message
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
-from lightning_monarch.errors import MeshFailureError, ValidationFailedWarning, WorkerError
+from lightning_monarch.errors import MeshFailureError, SharedAttributeError, ValidationFailedWarning, WorkerError
 from lightning_monarch.wire.protocol import (
     HANDED_OFF_GATE,
     METRIC_VIEWS,
@@ -96,7 +96,9 @@ class ValidationReplay:
         views are a synchronous run's training rank's: while it runs, the validation mesh's over the
         training rank's at the hand-off; after it, the training rank's over every validation's.
         A validation that fails (a hook raised, a validation worker died) has no results: it is
-        reported and the fit goes on (:meth:`_failed`). Returns the training rank 0's hand-off mark."""
+        reported and the fit goes on (:meth:`_failed`); one that changed a module attribute that
+        training changes too ends it (``worker.module_attributes``). Returns the training rank 0's
+        hand-off mark."""
         session = self._session
         earlier = session.beneath
         handed = session.take_mark(HANDED_OFF_GATE, self._number)
@@ -109,6 +111,8 @@ class ValidationReplay:
                 run()
                 end = session.take_mark(VALIDATION_END_GATE, self._number)
         except (WorkerError, MeshFailureError) as failure:
+            if isinstance(failure, WorkerError) and failure.failure.exception_type == SharedAttributeError.__name__:
+                raise  # the module would differ from the synchronous run's: not a failed validation
             session.beneath = earlier
             trainer.lightning_module.train(training)
             self._failed(trainer, failure)
