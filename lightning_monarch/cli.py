@@ -5,7 +5,7 @@ Runs in the user's shell on the controller's machine (``python -m lightning_mona
 but ``serve``, which runs on each worker host.
 
 - ``info`` builds the Trainer that ``Trainer(strategy="monarch", ...)`` would build and asks its
-  strategy what it would start (``MonarchStrategy._mesh_key()``), so the two cannot disagree. It
+  strategy what it would start (``MonarchStrategy._settings().mesh_key()``), so the two cannot disagree. It
   starts no worker and initializes no GPU in this process: GPUs are counted through NVML (or
   amdsmi on ROCm), as Lightning does.
 - ``preflight`` starts the mesh and checks every worker (``lightning_monarch.controller.features.preflight``).
@@ -107,7 +107,7 @@ def describe(
             )
         except (TypeError, ValueError) as error:  # how Lightning rejects some `devices` values
             raise UsageError(f"`{call}`: {error}") from error
-        key = strategy._mesh_key()
+        key = strategy._settings().mesh_key()
     backend = key.process_group_backend
     pins = [dict([pin]) for pin in key.pins] if key.pins is not None and num_nodes == 1 else None
     return {

@@ -155,7 +155,7 @@ class MonarchModelParallelStrategy(MonarchStrategy):
         ``trainer.<stage>(...)``, once the stage is known to be able to run sharded."""
         from_shards = _on_meta_device(module)
         if from_shards:
-            idle = MESHES.idle(self._mesh_key())
+            idle = MESHES.idle(self._settings().mesh_key())
             if idle is None or idle.kept_shards is None or not idle.kept_shards.stand_for(module):
                 raise MisconfigurationException(
                     f"`{type(module).__name__}` has parameters on the meta device, and no warm worker mesh keeps its"

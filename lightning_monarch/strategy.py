@@ -29,13 +29,12 @@ from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller import arguments
 from lightning_monarch.controller.features.rehearsal import RehearsalReport
 from lightning_monarch.controller.launch.accelerator import WorkerGPUAccelerator
-from lightning_monarch.controller.launch.configuration import check_configuration
+from lightning_monarch.controller.launch.configuration import HostMeshes, check_configuration
 from lightning_monarch.controller.launch.launcher import MonarchLauncher
 from lightning_monarch.controller.loop import collectives
 from lightning_monarch.controller.loop.attached import AttachedStage
 from lightning_monarch.controller.loop.mirrors import GradScalerMirror
 from lightning_monarch.controller.loop.session import StageSession
-from lightning_monarch.controller.mesh.pool import MeshKey
 from lightning_monarch.controller.mesh.snapshots import SnapshotDirectory
 from lightning_monarch.controller.settings import StageOutcome, StrategySettings
 from lightning_monarch.wire.reports import RankStats
@@ -190,6 +189,8 @@ class MonarchStrategy(_OneProcess):
         validation: ``"async"`` validates a ``fit`` on a second mesh of workers (on GPUs, the next
             ones) while training goes on, with the synchronous run's results; see its page.
         validation_devices: with ``"async"``, the validation workers: as many as train (``None``).
+        validation_hosts: with ``"async"``, the validation workers' hosts, given as ``hosts`` is (as
+            many hosts): by default the training hosts, where they take the next GPUs.
         **ddp_kwargs: keyword arguments for ``DistributedDataParallel`` on the workers, as for
             ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``, ...).
     """
@@ -231,6 +232,7 @@ class MonarchStrategy(_OneProcess):
         timeout: Optional[timedelta] = default_pg_timeout,
         validation: str = "sync",
         validation_devices: Optional[int] = None,
+        validation_hosts: Optional[Any] = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__(
@@ -279,7 +281,9 @@ class MonarchStrategy(_OneProcess):
         self.rehearse = arguments.flag(owner, "rehearse", rehearse)
         self.post_mortem = arguments.flag(owner, "post_mortem", post_mortem)
         self.timeout = arguments.duration(owner, "timeout", timeout)
-        self.validation, self.validation_devices = arguments.validation(owner, validation, validation_devices)
+        self.validation, self.validation_devices, self.validation_hosts = arguments.validation(
+            owner, validation, validation_devices, validation_hosts
+        )
         #: The report of the last rehearsal (``rehearse=True``), ``None`` before one.
         self.rehearsal: Optional[RehearsalReport] = None
         #: Whether this strategy runs a rehearsal (``controller.features.rehearsal.rehearsal_twin``).
@@ -292,7 +296,7 @@ class MonarchStrategy(_OneProcess):
         self.sent_bytes: dict[str, int] = {}
         #: How many times an elastic ``fit`` of this strategy went on in a smaller world (``min_nodes``).
         self.world_changes = 0
-        self._host_mesh: Optional[Any] = None
+        self._host_meshes = HostMeshes(None, None)
         self._num_nodes = 1
         self._layer_sync: Optional[Any] = None
         #: The stage in progress and what the last one left (rank 0's state, a sharded stage's session).
@@ -332,7 +336,8 @@ class MonarchStrategy(_OneProcess):
         return StrategySettings(
             **options,
             twin=self._rehearsal_twin,
-            host_mesh=self._host_mesh,
+            host_mesh=self._host_meshes.training,
+            validation_host_mesh=self._host_meshes.validation,
             rehearsing=self._rehearsing,
             ddp_kwargs=self.ddp_kwargs,
             worker_accelerator=self.worker_accelerator,
@@ -347,10 +352,6 @@ class MonarchStrategy(_OneProcess):
         twin = type(self)(**{**self._arguments(), **overrides})
         twin._rehearsing = True
         return twin
-
-    def _mesh_key(self) -> MeshKey:
-        """What a warm mesh must match to run this strategy's next stage."""
-        return self._settings().mesh_key()
 
     def _arguments(self) -> dict[str, Any]:
         """The arguments this strategy was made with, as its constructor takes them (a rehearsal
@@ -383,8 +384,8 @@ class MonarchStrategy(_OneProcess):
 
     def _check_configuration(self) -> None:
         """Reject Trainer arguments that cannot work with a Monarch mesh, at ``Trainer(...)`` time,
-        and keep the hosts' ``HostMesh``."""
-        self._host_mesh = check_configuration(self._settings(), self.accelerator, self.precision_plugin)
+        and keep the hosts' ``HostMesh``es."""
+        self._host_meshes = check_configuration(self._settings(), self.accelerator, self.precision_plugin)
 
     # ----- one process to Lightning (see _OneProcess) -----------------------------------------
 

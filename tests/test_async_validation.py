@@ -11,12 +11,14 @@ from typing import Any, Optional
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import Logger
 
 from lightning_monarch import MonarchStrategy, ValidationFailedWarning, WorkerError
 from tests.models import PlaceRecordingClassifier
 from tests.parity_cases import comparable_checkpoint
+from tests.served_hosts import ServedHost
 from tests.test_parity import assert_same
 
 
@@ -73,7 +75,9 @@ def _fit(validation: str, root: Path, max_epochs: int = 2, ckpt_path: Optional[s
     }
 
 
-def _trainer(validation: str, logger: RowLogger, **flags: Any) -> L.Trainer:
+def _trainer(
+    validation: str, logger: RowLogger, validation_hosts: Optional[list[str]] = None, **flags: Any
+) -> L.Trainer:
     """A Trainer on 2 CPU workers that validates twice an epoch, for 2 epochs and without
     checkpoints or a progress bar unless ``flags`` say otherwise."""
     options: dict[str, Any] = {
@@ -84,7 +88,7 @@ def _trainer(validation: str, logger: RowLogger, **flags: Any) -> L.Trainer:
         **flags,
     }
     return L.Trainer(
-        strategy=MonarchStrategy(validation=validation),
+        strategy=MonarchStrategy(validation=validation, validation_hosts=validation_hosts),
         accelerator="cpu",
         devices=2,
         val_check_interval=0.5,
@@ -145,6 +149,34 @@ def test_async_validation_gives_the_synchronous_results(synchronous: dict[str, A
     }
     assert resumed["async"]["rows"] == resumed["sync"]["rows"]
     assert_same(resumed["async"]["weights"], resumed["sync"]["weights"], "resumed weights")
+
+
+class ServedWorkers(Callback):
+    """On the controller: the worker processes of ``host`` at each validation's end, as they validate."""
+
+    def __init__(self, host: ServedHost) -> None:
+        self.host = host
+        self.pids: set[str] = set()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.pids |= {str(process.pid) for process in self.host.worker_processes()}
+
+
+def test_async_validation_on_a_host_of_its_own(synchronous: dict[str, Any], tmp_path: Path) -> None:
+    """``validation_hosts``: the validation workers are the given host's (served at an address, as
+    a cluster node serves), and the hand-offs reach them."""
+    host = ServedHost()
+    try:
+        host.start()
+        model, logger = recording(tmp_path)
+        served = ServedWorkers(host)
+        _trainer("async", logger, [host.address], callbacks=[served]).fit(model)
+    finally:
+        host.stop()
+    validated = places(tmp_path)["validation"]
+    assert len(validated) == 2 and validated <= served.pids
+    assert logger.rows == synchronous["rows"]
+    assert_same(model.state_dict(), synchronous["weights"], "weights")
 
 
 def _stopped_early(validation: str, root: Path) -> dict[str, Any]:

@@ -272,6 +272,7 @@ def test_compiled_module_is_rejected_by_lightning() -> None:
     [
         ({"validation": "later"}, r"validation='later'.*give one of 'sync', 'async'"),
         ({"validation": "async", "validation_devices": 0}, r"validation_devices=0.*whole number"),
+        ({"validation_hosts": ["tcp://127.0.0.1:1"]}, r"validation_hosts=...\)` places .* Pass `validation='async'`"),
     ],
 )
 def test_bad_validation_options(options: dict[str, Any], match: str) -> None:

@@ -62,12 +62,18 @@ def number(
     raise ValueError(f"`{owner}({name}={value!r})`: give a number{counted} {bounds}{meaning}{alternative}.")
 
 
-def validation(owner: str, mode: Any, devices: Any) -> tuple[str, Optional[int]]:
-    """``validation`` and ``validation_devices`` if valid: ``"sync"`` or ``"async"``, and a whole
-    number or ``None``. Otherwise ``ValueError``."""
+def validation(owner: str, mode: Any, devices: Any, hosts: Any) -> tuple[str, Optional[int], Any]:
+    """``validation``, ``validation_devices`` and ``validation_hosts`` if valid: ``"sync"`` or
+    ``"async"``, a whole number or ``None``, and hosts only with ``"async"``. Otherwise ``ValueError``."""
     if mode not in ("sync", "async"):
         raise ValueError(f"`{owner}(validation={mode!r})`: give one of 'sync', 'async'.")
-    return mode, whole_number(owner, "validation_devices", devices, 1, none="for as many as train")
+    if hosts is not None and mode != "async":
+        raise ValueError(
+            f"`{owner}(validation_hosts=...)` places the workers of asynchronous validation, but"
+            f" `validation={mode!r}` validates on the training workers. Pass `validation='async'`, or drop"
+            " `validation_hosts`."
+        )
+    return mode, whole_number(owner, "validation_devices", devices, 1, none="for as many as train"), hosts
 
 
 def duration(owner: str, name: str, value: Any) -> Optional[timedelta]:

@@ -65,9 +65,12 @@ class StrategySettings:
     post_mortem: bool
     timeout: Optional[timedelta]
     #: ``"sync"``, or ``"async"``: a ``fit`` validates on ``validation_devices`` further workers
-    #: (``controller.features.async_validation``); ``None`` devices: as many as train.
+    #: (``controller.features.async_validation``); ``None`` devices: as many as train. Their hosts
+    #: as the user gave them, and connected (``None``: the training hosts).
     validation: str
     validation_devices: Optional[int]
+    validation_hosts: Any
+    validation_host_mesh: Optional[HostMesh]
     #: Whether these are a rehearsal's settings (``controller.features.rehearsal``).
     rehearsing: bool
     ddp_kwargs: Mapping[str, Any]

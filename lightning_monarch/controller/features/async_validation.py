@@ -2,7 +2,7 @@
 
 Runs on the controller. A ``fit`` with asynchronous validation runs on two meshes: the training
 workers, and as many validation workers on the same hosts (on GPUs, the ones after the training
-workers': :func:`validation_settings`), which validate the weights each training rank
+workers') or on hosts of their own (:func:`validation_settings`), which validate the weights each training rank
 hands its validation worker at each validation point while training goes on
 (``worker.async_validation``). :class:`ValidationMesh` starts the second mesh and its serving stage
 before the training stage, whose workers it names; the controller's loop replays each validation
@@ -59,7 +59,8 @@ def check_async_validation(settings: StrategySettings) -> None:
         if refused:
             raise MisconfigurationException(f"{_ASYNC} {why}.")
     gpus = validation_settings(settings).gpu_indices or ()
-    found = host_gpu_count() if settings.hosts is None else None  # other hosts' workers check their own
+    here = settings.hosts is None and settings.validation_hosts is None
+    found = host_gpu_count() if here else None  # workers on other hosts check their own GPUs
     if found is not None and any(index >= found for index in gpus):
         raise MisconfigurationException(
             f"{_ASYNC} runs its {len(gpus)} validation workers on the GPUs after the training workers',"
@@ -69,8 +70,11 @@ def check_async_validation(settings: StrategySettings) -> None:
 
 
 def validation_settings(settings: StrategySettings) -> StrategySettings:
-    """The validation workers' settings: as many as train, on GPUs the ones after the training
-    workers' highest (``devices=[0, 1]`` trains on GPUs 0 and 1 and validates on 2 and 3)."""
+    """The validation workers' settings: as many as train; on hosts of their own
+    (``validation_hosts``) on the same devices, else on GPUs the ones after the training workers'
+    highest (``devices=[0, 1]`` trains on GPUs 0 and 1 and validates on 2 and 3)."""
+    if settings.validation_host_mesh is not None:
+        return settings.connected(settings.validation_host_mesh)
     if settings.worker_accelerator != "cuda":
         return settings
     after = 1 + max(device.index or 0 for device in settings.devices)

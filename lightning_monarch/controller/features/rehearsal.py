@@ -147,9 +147,16 @@ class RehearsalReport:
 
 def rehearsal_twin(settings: StrategySettings) -> Strategy:
     """A strategy like the one of ``settings`` for a rehearsal's Trainer: on the same hosts (their
-    ``HostMesh``, so that both take the same warm mesh), kept warm for the run that follows,
-    without restarts, elastic training or a rehearsal of its own."""
-    return settings.twin(hosts=settings.host_mesh, max_restarts=0, min_nodes=None, keep_warm=True, rehearse=False)
+    ``HostMesh``es, so that both take the same warm mesh and connect no host again), kept warm for
+    the run that follows, without restarts, elastic training or a rehearsal of its own."""
+    return settings.twin(
+        hosts=settings.host_mesh,
+        validation_hosts=settings.validation_host_mesh,
+        max_restarts=0,
+        min_nodes=None,
+        keep_warm=True,
+        rehearse=False,
+    )
 
 
 def ready_again(error: BaseException, mesh: WorkerMesh, rehearsing: bool) -> bool:

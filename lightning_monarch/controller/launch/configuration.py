@@ -8,7 +8,7 @@ settings, before any worker starts.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -21,10 +21,17 @@ from lightning_monarch.controller.settings import StrategySettings
 from lightning_monarch.devices import host_gpu_count
 
 
-def check_configuration(settings: StrategySettings, accelerator: Any, precision: Any) -> Optional[HostMesh]:
+class HostMeshes(NamedTuple):
+    """The hosts a strategy's workers run on, connected: the training workers', and asynchronous
+    validation's where it has hosts of its own (``None``: this host; the training hosts)."""
+
+    training: Optional[HostMesh]
+    validation: Optional[HostMesh]
+
+
+def check_configuration(settings: StrategySettings, accelerator: Any, precision: Any) -> HostMeshes:
     """Reject Trainer arguments that cannot work with a Monarch mesh (``accelerator`` and
-    ``precision`` are the plugins Lightning gave the strategy), and connect to the hosts: their
-    ``HostMesh``, or ``None`` for this host."""
+    ``precision`` are the plugins Lightning gave the strategy), and connect to the hosts."""
     if not isinstance(accelerator, (CPUAccelerator, CUDAAccelerator, WorkerGPUAccelerator)):
         raise MisconfigurationException(
             f"`Trainer(strategy='monarch', accelerator={type(accelerator).__name__})`: Monarch workers run"
@@ -40,10 +47,8 @@ def check_configuration(settings: StrategySettings, accelerator: Any, precision:
         _check_min_nodes(settings)
     if settings.validation == "async":
         check_async_validation(settings)
-    hosts = None
-    if settings.hosts is not None:
-        hosts = host_mesh(settings.hosts, settings.num_nodes, settings.gpus_per_host, settings.connect_timeout)
-    _check_gpus_here(settings.connected(hosts))
+    hosts = HostMeshes(*(_connected(given, settings) for given in (settings.hosts, settings.validation_hosts)))
+    _check_gpus_here(settings.connected(hosts.training))
     if not type(precision).__module__.startswith("lightning.pytorch.plugins.precision"):
         raise MisconfigurationException(
             f"`Trainer(strategy='monarch', plugins=[{type(precision).__name__}(...)])`: the workers build their"
@@ -51,6 +56,13 @@ def check_configuration(settings: StrategySettings, accelerator: Any, precision:
             " them. Pass `precision='bf16-mixed'` (or another precision string) instead."
         )
     return hosts
+
+
+def _connected(hosts: Any, settings: StrategySettings) -> Optional[HostMesh]:
+    """The ``HostMesh`` of ``hosts`` as given (``None``: none given), ``num_nodes`` of them."""
+    if hosts is None:
+        return None
+    return host_mesh(hosts, settings.num_nodes, settings.gpus_per_host, settings.connect_timeout)
 
 
 def _check_min_nodes(settings: StrategySettings) -> None:
