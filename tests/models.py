@@ -205,12 +205,16 @@ class PlaceRecordingClassifier(Classifier):
     #: Seconds each training step sleeps, as a longer step takes.
     step_s = 0.0
     #: ``(step, how)``: rank 1's validation of that step fails at its second batch: its hook
-    #: raises (``"raise"``) or its process is killed (``"kill"``).
-    fail_validation: Optional[tuple[int, str]] = None
+    #: raises (``"raise"``) or its process is killed (``"kill"``); ``(None, "kill")``: rank 0's
+    #: process is killed at the ``fit``'s end where it only validated.
+    fail_validation: Optional[tuple[Optional[int], str]] = None
     trained_batches = 0
+    #: Whether this process ran a training step (not carried: a private attribute).
+    _trained_here = False
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         Path(self.record_dir, f"train-{os.getpid()}").touch()
+        self._trained_here = True
         time.sleep(self.step_s)
         self.trained_batches += 1
         return super().training_step(batch, batch_idx)
@@ -228,6 +232,10 @@ class PlaceRecordingClassifier(Classifier):
             raise RuntimeError(f"validation of step {self.trainer.global_step} failed on purpose")
         self.log("val_trained_batches", float(self.trained_batches))
         super().validation_step(batch, batch_idx)
+
+    def on_fit_end(self) -> None:
+        if self.fail_validation == (None, "kill") and self.global_rank == 0 and not self._trained_here:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class ClassificationDataModule(L.LightningDataModule):

@@ -216,11 +216,11 @@ def test_early_stopping_decides_on_the_synchronous_validation(
     assert 6 < asynchronous["global_step"] < 18
 
 
-def _failing(root: Path, how: str) -> dict[str, Any]:
-    """The asynchronous fit of :func:`_fit`, without checkpoints, whose validation of step 6 fails on
-    rank 1 as ``how`` says."""
+def _failing(root: Path, step: Optional[int], how: str) -> dict[str, Any]:
+    """The asynchronous fit of :func:`_fit`, without checkpoints, whose validation worker of rank 1
+    fails in the validation of ``step`` (or of rank 0 at the ``fit``'s end: ``None``) as ``how`` says."""
     model, logger = recording(root)
-    model.fail_validation = (6, how)
+    model.fail_validation = (step, how)
     _trainer("async", logger).fit(model)
     return {"rows": logger.rows, "weights": model.state_dict(), "places": places(root)}
 
@@ -230,7 +230,7 @@ def test_a_failed_validation_is_reported_and_training_goes_on(
     how: str, synchronous: dict[str, Any], tmp_path: Path
 ) -> None:
     with pytest.warns(ValidationFailedWarning, match=r"the validation at step 6 \(epoch 0\) failed on the validation"):
-        asynchronous = _failing(tmp_path, how)
+        asynchronous = _failing(tmp_path, 6, how)
     # the failed validation (the second) has no row; the others, on new validation workers after it, have theirs
     validations = [row for row in synchronous["rows"] if "val_loss" in row[1]]
     assert asynchronous["rows"] == [row for row in synchronous["rows"] if row is not validations[1]]
@@ -238,11 +238,19 @@ def test_a_failed_validation_is_reported_and_training_goes_on(
     assert_same(asynchronous["weights"], synchronous["weights"], "weights")
 
 
+def test_validation_workers_that_fail_as_the_fit_ends_are_reported_after_every_result(
+    synchronous: dict[str, Any], tmp_path: Path
+) -> None:
+    with pytest.warns(ValidationFailedWarning, match=r"failed as their `fit` ended, after the results of every"):
+        asynchronous = _failing(tmp_path, None, "kill")
+    assert asynchronous["rows"] == synchronous["rows"]
+
+
 def test_a_failed_validation_ends_the_fit_where_a_warnings_filter_asks(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", ValidationFailedWarning)
         with pytest.raises(ValidationFailedWarning, match=r"at step 6 .*Worker rank 1 on host .* RuntimeError"):
-            _failing(tmp_path, "raise")
+            _failing(tmp_path, 6, "raise")
 
 
 class CountsInBothHooks(PlaceRecordingClassifier):

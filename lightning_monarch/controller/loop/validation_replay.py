@@ -185,11 +185,22 @@ class ValidationReplay:
 
     def finish(self) -> None:
         """After the controller's ``fit`` loop ended, having replayed every validation: end the
-        validation mesh's stage (it runs the end of its ``fit``), raising its failure; show the
-        warnings its ranks hold."""
-        self._channel.mesh.deliver(Message("validate", (None,), wait=False))
-        while self._pass(ending=True).gate is not None:
-            pass
+        validation mesh's stage (it runs the end of its ``fit``) and show the warnings its ranks
+        hold. A failure there (a hook of the ``fit``'s end raised on a validation worker, or one
+        died) comes after every validation's results: it is reported as a failed validation is,
+        and the validation workers are stopped."""
+        try:
+            self._channel.mesh.deliver(Message("validate", (None,), wait=False))
+            while self._pass(ending=True).gate is not None:
+                pass
+        except (WorkerError, MeshFailureError) as failure:
+            rank_zero_warn(
+                "lightning_monarch: the validation workers failed as their `fit` ended, after the results of every"
+                f" validation were taken; the fit's results are complete. {type(failure).__name__}: {failure}",
+                category=ValidationFailedWarning,
+            )
+            self._validation.stop(failed=True)
+            return
         self._channel.close()
         self._warned.show_every_rank(self._channel.mesh.take_warnings())
 
