@@ -127,6 +127,13 @@ class MonarchModelParallelStrategy(MonarchStrategy):
                 " temporary directory on this host only. Pass `snapshot_dir=` a path on a file system shared by"
                 " every host and this process."
             )
+        if self.validation == "async":
+            raise MisconfigurationException(
+                f"`{owner}(validation='async')`: asynchronous validation hands each training rank's whole"
+                " checkpoint state to a validation worker of the same rank, and a sharded module's ranks hold shards"
+                " of it that no single worker validates. Use `validation='sync'`, or `MonarchStrategy` for a module"
+                " that fits one device."
+            )
         self._check_mesh_shape()
         super()._check_configuration()
 

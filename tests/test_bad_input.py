@@ -23,7 +23,14 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_monarch import MonarchStrategy, WorkerGPUAccelerator, on_controller, on_workers
+from lightning_monarch import (
+    MonarchFSDPStrategy,
+    MonarchModelParallelStrategy,
+    MonarchStrategy,
+    WorkerGPUAccelerator,
+    on_controller,
+    on_workers,
+)
 from tests.conftest import stray_workers
 from tests.models import ClassificationDataModule, Classifier
 
@@ -294,6 +301,12 @@ def test_bad_validation_options(options: dict[str, Any], match: str) -> None:
 def test_what_async_validation_does_not_serve_is_refused_at_trainer(options: dict[str, Any], match: str) -> None:
     with pytest.raises(MisconfigurationException, match=match):
         _trainer(strategy=MonarchStrategy(validation="async", **options))
+
+
+@pytest.mark.parametrize("strategy", [MonarchFSDPStrategy, MonarchModelParallelStrategy])
+def test_async_validation_of_a_sharded_module_is_refused_at_trainer(strategy: type) -> None:
+    with pytest.raises(MisconfigurationException, match=r"validation='async'\)`: .* a sharded module's ranks hold"):
+        _trainer(strategy=strategy(validation="async"))
 
 
 @pytest.mark.parametrize(

@@ -100,7 +100,7 @@ class MonarchLauncher(lightning_compat.Launcher):
         callbacks where ``placement`` puts them."""
         settings, stage, module, datamodule = self.settings, inputs.stage, inputs.module, inputs.datamodule
         spec = inputs.spec(settings.num_nodes)
-        validation = _validation_mesh(settings, trainer, inputs, spec)
+        validation = _validation_mesh(settings, trainer, inputs)
         if stage == "fit" and settings.rehearse:
             self._rehearse(trainer, module, datamodule, inputs.loaders)
 
@@ -228,18 +228,11 @@ class MonarchLauncher(lightning_compat.Launcher):
             rank_zero_warn(f"lightning_monarch rehearsal: {warning}")
 
 
-def _validation_mesh(
-    settings: StrategySettings, trainer: Trainer, inputs: StageInputs, spec: StageSpec
-) -> Optional[ValidationMesh]:
+def _validation_mesh(settings: StrategySettings, trainer: Trainer, inputs: StageInputs) -> Optional[ValidationMesh]:
     """The second mesh of a ``fit`` with asynchronous validation, not started yet, once what it
     does not serve is refused; ``None`` for other stages, and for a module that does not validate."""
     if settings.validation != "async" or inputs.stage != "fit" or not is_overridden("validation_step", inputs.module):
         return None
-    if spec.trainer.sharding is not None:
-        raise MisconfigurationException(
-            "`MonarchStrategy(validation='async')` does not validate a sharded module (FSDP, tensor parallel) yet:"
-            " use `validation='sync'` with `MonarchFSDPStrategy` and `MonarchModelParallelStrategy`."
-        )
     refuse_at_fit(trainer)
     return ValidationMesh(settings, stops_early(trainer))
 
