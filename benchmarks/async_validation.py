@@ -1,6 +1,6 @@
 """Validation's cost to a fit: its wall time with synchronous and asynchronous validation against none (issue 43).
 
-    python -m benchmarks.async_validation [--reps 3] [--epochs 4]
+    python -m benchmarks.async_validation [--reps 3] [--epochs 10]
 
 Issue 43 asks for asynchronous validation, on workers of their own, so that training never waits
 for it; this benchmark measures it. The module's steps sleep instead of computing, as
@@ -184,7 +184,7 @@ def plot(figures: dict[str, Any]) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=10)
     args = parser.parse_args()
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
     for rep in range(args.reps):

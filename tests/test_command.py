@@ -66,7 +66,7 @@ def _carrying(marker: str) -> list[psutil.Process]:
 
 def trainer_key(**flags: Any) -> Any:
     """What the strategy of ``Trainer(strategy="monarch", **flags)`` would start."""
-    return L.Trainer(strategy="monarch", logger=False, **flags).strategy._mesh_key()
+    return L.Trainer(strategy="monarch", logger=False, **flags).strategy._settings().mesh_key()
 
 
 @pytest.fixture(autouse=True)

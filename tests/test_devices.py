@@ -85,7 +85,7 @@ def test_more_devices_than_the_mask_shows_is_refused() -> None:
 def test_the_strategy_pins_each_gpu_worker_on_this_host(cuda_build: pytest.MonkeyPatch, hip: Any) -> None:
     cuda_build.setattr(torch.version, "hip", hip)
     cuda_build.setenv("CUDA_VISIBLE_DEVICES", "6,7")
-    key = L.Trainer(strategy="monarch", accelerator="gpu", devices=[1, 0], logger=False).strategy._mesh_key()
+    key = L.Trainer(strategy="monarch", accelerator="gpu", devices=[1, 0], logger=False).strategy._settings().mesh_key()
     assert key.pins == (("CUDA_VISIBLE_DEVICES", "7"), ("CUDA_VISIBLE_DEVICES", "6"))
     assert key.gpu_indices == (1, 0)
 
@@ -108,7 +108,7 @@ def test_more_gpu_workers_than_this_host_has_are_refused(cuda_build: pytest.Monk
     ):
         L.Trainer(strategy="monarch", accelerator="gpu", devices=2, logger=False)
     cuda_build.setenv("CUDA_VISIBLE_DEVICES", "0,0")  # two workers sharing the one GPU: allowed
-    key = L.Trainer(strategy="monarch", accelerator="gpu", devices=2, logger=False).strategy._mesh_key()
+    key = L.Trainer(strategy="monarch", accelerator="gpu", devices=2, logger=False).strategy._settings().mesh_key()
     assert key.pins == (("CUDA_VISIBLE_DEVICES", "0"), ("CUDA_VISIBLE_DEVICES", "0"))
 
 
