@@ -21,6 +21,7 @@ from monarch.job import ProcessJob
 
 from lightning_monarch.controller.mesh import forkserver
 from lightning_monarch.controller.mesh.hosts import host_mesh
+from lightning_monarch.controller.mesh.output import WorkerOutput
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.worker.forkserver import NOT_READ_AT_IMPORT
 from tests.conftest import probe_workers
@@ -165,11 +166,13 @@ def test_a_worker_that_fails_to_start_ends_its_start_process_alike(monkeypatch: 
 
 def test_the_workers_of_a_process_jobs_hosts_are_forked_and_die_with_their_host() -> None:
     """A ``ProcessJob``'s hosts run this interpreter on this machine: their CPU workers are forked
-    too. A host process killed on its own (not its session) takes its worker with it within a
+    too, with their output forwarded as the strategy has it for hosts (``StrategySettings.mesh_key``:
+    Monarch then gives each process its log forwarder's channel, which the server's imports do not
+    read). A host process killed on its own (not its session) takes its worker with it within a
     second, as a worker that Monarch's bootstrap started dies with its host."""
     job = ProcessJob({"hosts": 2})
     try:
-        mesh = WorkerMesh.spawn(1, hosts=host_mesh(job, 2, 0, 30))
+        mesh = WorkerMesh.spawn(1, hosts=host_mesh(job, 2, 0, 30), output=WorkerOutput(3))
         try:
             workers = [psutil.Process(pid) for pid in mesh.pids]
             assert [worker.ppid() for worker in workers] == forkserver.fork_server_pids(PACKAGE)[:1] * 2

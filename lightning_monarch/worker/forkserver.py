@@ -43,7 +43,8 @@ from typing import Any, Optional
 #: The module Monarch's bootstrap command runs (``python -m``) in each process of a proc mesh.
 BOOTSTRAP_MODULE = "monarch._src.actor.bootstrap_main"
 #: Variables that change while a controller runs and that no import of the server's reads: those
-#: Monarch sets for each process it launches (and for each host process of a ``ProcessJob``),
+#: Monarch sets for each process it launches (and for each host process of a ``ProcessJob``; the
+#: channel of a process's log forwarder, where a mesh forwards its output: ``WorkerOutput``),
 #: pytest's name of the running test, those Lightning's ``seed_everything`` sets (which Lightning
 #: reads only when it seeds), and the terminal's size, which GNU readline exports when a
 #: controller initializes it (through the C library, so ``os.environ`` and the processes started
@@ -52,6 +53,7 @@ NOT_READ_AT_IMPORT = frozenset(
     {
         "COLUMNS",
         "LINES",
+        "BOOTSTRAP_LOG_CHANNEL",
         "HYPERACTOR_MESH_BOOTSTRAP_MODE",
         "HYPERACTOR_PROCESS_NAME",
         "MONARCH_CLIENT_TRACE_ID",
