@@ -100,8 +100,9 @@ def test_async_validation_on_the_hosts_gives_the_synchronous_results(job: Any, t
             enable_model_summary=False,
         ).fit(model)
         runs[mode] = (logger.rows, model.state_dict(), places(tmp_path / mode))
-    (rows, weights, ran), (sync_rows, sync_weights, _) = runs["async"], runs["sync"]
+    (rows, weights, ran), (sync_rows, sync_weights, sync_ran) = runs["async"], runs["sync"]
     assert len(ran["validation"]) == 4 and not ran["validation"] & ran["train"]
+    assert ran["train"] == sync_ran["train"]  # the job's warm mesh, though each Trainer connected the job
     assert [row for row in sync_rows if "val_loss" in row[1]] and rows == sync_rows
     assert_same(weights, sync_weights, "weights")
 

@@ -39,6 +39,10 @@ HOSTS_MESH = "hosts"
 #: The host meshes of ``ProcessJob``s, by identity: host processes that Monarch started on this
 #: machine with this interpreter and this process's environment (:func:`runs_here`).
 _PROCESS_JOB_MESHES: weakref.WeakValueDictionary[int, HostMesh] = weakref.WeakValueDictionary()
+#: Each Monarch job's host mesh, as the first ``Trainer`` given the job connected it: ``job.state()``
+#: makes a new ``HostMesh`` object each time, and a warm mesh is kept for the same hosts only
+#: (``MeshKey`` compares them by identity), so every ``Trainer`` would start new workers.
+_JOB_MESHES: weakref.WeakKeyDictionary[Any, HostMesh] = weakref.WeakKeyDictionary()
 
 
 @blocks_the_cell
@@ -110,9 +114,13 @@ def is_address_list(hosts: Any) -> bool:
 
 
 def _job_host_mesh(job: Any) -> HostMesh:
+    """The job's host mesh named :data:`HOSTS_MESH`: the one it gave before, if it did."""
+    if job in _JOB_MESHES:
+        return _JOB_MESHES[job]
     state = job.state(cached_path=None)
     try:
-        return getattr(state, HOSTS_MESH)
+        mesh = _JOB_MESHES[job] = getattr(state, HOSTS_MESH)
+        return mesh
     except (AttributeError, KeyError) as error:
         raise MisconfigurationException(
             f"`MonarchStrategy(hosts={type(job).__name__}(...))`: the job has no host mesh named 'hosts'. Name it"
