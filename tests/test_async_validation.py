@@ -4,6 +4,7 @@ fit gives what the synchronous run gives (``controller.loop.validation_replay``)
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -233,7 +234,8 @@ def test_a_failed_validation_is_reported_and_training_goes_on(
         asynchronous = _failing(tmp_path, 6, how)
     # the failed validation (the second) has no row; the others, on new validation workers after it, have theirs
     validations = [row for row in synchronous["rows"] if "val_loss" in row[1]]
-    assert asynchronous["rows"] == [row for row in synchronous["rows"] if row is not validations[1]]
+    expected = [row for row in synchronous["rows"] if row is not validations[1]]
+    assert asynchronous["rows"] == expected, _differing(asynchronous["rows"], expected)
     assert len(asynchronous["places"]["validation"]) == 4  # two validation workers, then two new ones
     assert_same(asynchronous["weights"], synchronous["weights"], "weights")
 
@@ -244,6 +246,13 @@ def test_validation_workers_that_fail_as_the_fit_ends_are_reported_after_every_r
     with pytest.warns(ValidationFailedWarning, match=r"failed as their `fit` ended, after the results of every"):
         asynchronous = _failing(tmp_path, None, "kill")
     assert asynchronous["rows"] == synchronous["rows"]
+
+
+def _differing(rows: list[Any], expected: list[Any]) -> str:
+    """The rows that differ from ``expected``, each beside its expected row, for a failure's message
+    (this test once failed under load, its message cut short)."""
+    pairs = [(index, *pair) for index, pair in enumerate(itertools.zip_longest(rows, expected)) if pair[0] != pair[1]]
+    return "\n".join(f"row {index}: got {got}, expected {want}" for index, got, want in pairs)
 
 
 def test_a_failed_validation_ends_the_fit_where_a_warnings_filter_asks(tmp_path: Path) -> None:
