@@ -140,12 +140,7 @@ class WorkerWorld:
     @property
     def rank0(self) -> Any:
         """Rank 0's actor: local rank 0 on the host of the first slot."""
-        first = self.slots[0]
-        part = next(part for part in self.parts if first in part.slots)
-        origin = dict.fromkeys(part.workers.extent.labels, 0)
-        if len(origin) > 1:  # hosts are a dimension of the mesh (not of ``this_host()``'s)
-            origin[host_label(part.hosts)] = part.slots.index(first)
-        return Counted(part.workers.slice(**origin), 1, self._sent)
+        return Counted(self.actors()[0], 1, self._sent)
 
     def actors(self) -> tuple[Any, ...]:
         """Each rank's actor, in rank order: each host's local ranks, host after host."""
