@@ -205,8 +205,9 @@ class PlaceRecordingClassifier(Classifier):
     #: Seconds each training step sleeps, as a longer step takes.
     step_s = 0.0
     #: ``(step, how)``: rank 1's validation of that step fails at its second batch: its hook
-    #: raises (``"raise"``) or its process is killed (``"kill"``); ``(None, "kill")``: rank 0's
-    #: process is killed at the ``fit``'s end where it only validated.
+    #: raises (``"raise"``) or its process is killed (``"kill"``); or its process is killed as it
+    #: ends, after its results (``"kill after"``); ``(None, "kill")``: rank 0's process is killed at
+    #: the ``fit``'s end where it only validated.
     fail_validation: Optional[tuple[Optional[int], str]] = None
     trained_batches = 0
     #: Whether this process ran a training step (not carried: a private attribute).
@@ -222,16 +223,20 @@ class PlaceRecordingClassifier(Classifier):
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         if not self.trainer.sanity_checking:
             Path(self.record_dir, f"validation-{os.getpid()}").touch()
-        if self.fail_validation is not None and (self.trainer.global_step, self.trainer.global_rank, batch_idx) == (
-            self.fail_validation[0],
-            1,
-            1,
-        ):
-            if self.fail_validation[1] == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
+        if (self.trainer.global_step, "kill", self.trainer.global_rank, batch_idx) == (*self._failing, 1, 1):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if (self.trainer.global_step, "raise", self.trainer.global_rank, batch_idx) == (*self._failing, 1, 1):
             raise RuntimeError(f"validation of step {self.trainer.global_step} failed on purpose")
         self.log("val_trained_batches", float(self.trained_batches))
         super().validation_step(batch, batch_idx)
+
+    def on_validation_end(self) -> None:
+        if (self.trainer.global_step, "kill after", self.global_rank) == (*self._failing, 1):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    @property
+    def _failing(self) -> tuple[Optional[int], str]:
+        return self.fail_validation or (None, "")
 
     def on_fit_end(self) -> None:
         if self.fail_validation == (None, "kill") and self.global_rank == 0 and not self._trained_here:

@@ -5,6 +5,7 @@ fit gives what the synchronous run gives (``controller.loop.validation_replay``)
 from __future__ import annotations
 
 import itertools
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -217,10 +218,25 @@ def test_early_stopping_decides_on_the_synchronous_validation(
     assert 6 < asynchronous["global_step"] < 18
 
 
-def _failing(root: Path, step: Optional[int], how: str) -> dict[str, Any]:
+class LaggingLogger(RowLogger):
+    """Holds the controller's loop back at each row before step ``until``: the training workers,
+    which never wait for it, get that far ahead of its replay of their validations."""
+
+    def __init__(self, until: int) -> None:
+        super().__init__()
+        self._until = until
+
+    def log_metrics(self, metrics: dict[str, Any], step: Optional[int] = None) -> None:
+        if step is not None and step < self._until:
+            time.sleep(0.5)
+        super().log_metrics(metrics, step)
+
+
+def _failing(root: Path, step: Optional[int], how: str, logger: Optional[RowLogger] = None) -> dict[str, Any]:
     """The asynchronous fit of :func:`_fit`, without checkpoints, whose validation worker of rank 1
     fails in the validation of ``step`` (or of rank 0 at the ``fit``'s end: ``None``) as ``how`` says."""
-    model, logger = recording(root)
+    model, rows = recording(root)
+    logger = logger or rows
     model.fail_validation = (step, how)
     _trainer("async", logger).fit(model)
     return {"rows": logger.rows, "weights": model.state_dict(), "places": places(root)}
@@ -237,6 +253,22 @@ def test_a_failed_validation_is_reported_and_training_goes_on(
     expected = [row for row in synchronous["rows"] if row is not validations[1]]
     assert asynchronous["rows"] == expected, _differing(asynchronous["rows"], expected)
     assert len(asynchronous["places"]["validation"]) == 4  # two validation workers, then two new ones
+    assert_same(asynchronous["weights"], synchronous["weights"], "weights")
+
+
+def test_a_validation_worker_that_died_after_its_validation_is_replaced_for_the_next(
+    synchronous: dict[str, Any], tmp_path: Path
+) -> None:
+    """Rank 0's validation worker, alive, takes the next weights; rank 1's cannot, and the
+    controller, behind, has not seen it die: every training rank hands them again, to new
+    validation workers."""
+    with pytest.warns(ValidationFailedWarning, match=r"at step (6|9) \(epoch (0|1)\)"):
+        asynchronous = _failing(tmp_path, 6, "kill after", LaggingLogger(until=9))
+    # the validation of step 6 has its results, unless the controller saw the death as it took them
+    validations = [row for row in synchronous["rows"] if "val_loss" in row[1]]
+    without = [row for row in synchronous["rows"] if row is not validations[1]]
+    assert asynchronous["rows"] in (synchronous["rows"], without), _differing(asynchronous["rows"], without)
+    assert len(asynchronous["places"]["validation"]) == 4
     assert_same(asynchronous["weights"], synchronous["weights"], "weights")
 
 

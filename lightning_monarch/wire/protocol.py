@@ -234,10 +234,10 @@ SNAPSHOT_GATE = "callback.on_train_epoch_start"
 NOTICE_GATE = "callback.on_train_batch_end"
 
 #: The marks of a ``fit`` with asynchronous validation, entries of no hook (their ``result`` is the
-#: validation point's number): a training rank 0 records the first once its validation worker took
-#: its weights; the validation mesh's rank 0 records the other two around each validation it runs.
-#: The controller's loop replays the validation between them where its fit meets the first
-#: (``controller.loop.validation_replay``).
+#: validation point's number, or a ``specs.HandedOff`` naming it): a training rank 0 records the
+#: first at each try of its ranks to hand their weights over; the validation mesh's rank 0 records
+#: the other two around each validation it runs. The controller's loop replays the validation
+#: between them where its fit meets the first (``controller.loop.validation_replay``).
 HANDED_OFF_GATE = "validation.handed_off"
 VALIDATION_BEGIN_GATE = "validation.begin"
 VALIDATION_END_GATE = "validation.end"

@@ -215,12 +215,32 @@ class StageSpec:
 @dataclass(frozen=True)
 class Validators:
     """The validation workers of a ``fit`` with asynchronous validation, as its training ranks see
-    them: each rank's (``actors[rank]``) takes its checkpoint state at each validation point; and
+    them: each rank's (``actors[rank]``) takes its checkpoint state at each validation point;
     whether the controller runs ``EarlyStopping``, whose decision the training ranks take at the
-    first batch after it (``worker.async_validation``)."""
+    first batch after it (``worker.async_validation``); and how many times the controller replaced
+    the validation workers before these (after failed validations)."""
 
     actors: tuple[Any, ...]
     early_stopping: bool
+    generation: int
+
+
+@dataclass(frozen=True)
+class HandedOff:
+    """The result of a ``protocol.HANDED_OFF_GATE`` mark: whether every training rank handed its weights
+    of validation point ``number`` to its validation worker of ``generation`` (the validation
+    workers' count of replacements before them, :class:`Validators`). Where one could not (``taken``
+    false: its validation worker died, or its stage ended), the ranks try again on the next
+    generation, and the controller makes it if it has not yet."""
+
+    number: int
+    generation: int
+    taken: bool
+
+
+def mark_number(result: Any) -> Any:
+    """The validation point's number of a mark's ``result``."""
+    return result.number if isinstance(result, HandedOff) else result
 
 
 @dataclass(frozen=True)

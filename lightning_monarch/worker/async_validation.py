@@ -8,7 +8,10 @@ Runs in worker processes, on each stage's loop thread, of two meshes of one ``fi
   its checkpoint state (the weights, the optimizers' and schedulers' state), the loop's progress,
   the control state, its random generators and the module's plain attributes that training changed
   (``worker.module_attributes``), once that worker has finished the previous validation, and goes
-  on training. It draws from the global torch generator what Lightning's
+  on training. Every rank hands its weights to validation workers of the same generation, or none
+  does: the ranks agree that each took them, on a gloo group of the stage's own, and where one could
+  not (it died, or its stage ended), they wait for the controller's new validation workers
+  (:meth:`HandOff.replace`) and hand them over again to those. It draws from the global torch generator what Lightning's
   validation loop would have drawn (each validation DataLoader's iterator takes its base seed from
   it), so that training's random numbers stay those of a synchronous run. Rank 0 then records
   :data:`HANDED_OFF_GATE` for the controller, with what it logged since its last gate (the training
@@ -16,8 +19,7 @@ Runs in worker processes, on each stage's loop thread, of two meshes of one ``fi
   controller runs ``EarlyStopping``, which decides on a validation when the controller replays it,
   the controller's request to stop (:meth:`HandOff.stop`) takes effect at the first training batch
   that starts after it reached any rank: at each batch start the ranks agree on it in a one-element
-  all-reduce, on a gloo group of the stage's own. Where a validation failed, the rank waits at its
-  next validation point until the controller gives it a new validation worker (:meth:`HandOff.replace`).
+  all-reduce, on that group.
 - on each **validation** worker, :class:`ValidationServer` stands in for the fit loop's run: it sets
   up the validation data once, then for each weights handed to it runs Lightning's own validation
   loop in the training rank's place, between rank 0's :data:`VALIDATION_BEGIN_GATE` and
@@ -51,21 +53,22 @@ from lightning_monarch.wire.protocol import (
     control_state,
     set_control_state,
 )
-from lightning_monarch.wire.specs import ValidationRequest, Validators
+from lightning_monarch.wire.specs import HandedOff, ValidationRequest, Validators
 from lightning_monarch.worker.module_attributes import Key, PlainAttributes
 from lightning_monarch.worker.state import RankState
 
 log = logging.getLogger(__name__)
 
-#: Records a mark for the controller (rank 0's, like an entry): its gate, its validation point's
-#: number and whether it carries the metric views (read on every rank, as a gate's are).
-Mark = Callable[[str, int, bool], None]
+#: Records a mark for the controller (rank 0's, like an entry): its gate, its result (the validation
+#: point's number, or a ``HandedOff``) and whether it carries the metric views (read on every rank,
+#: as a gate's are).
+Mark = Callable[[str, Any, bool], None]
 
 #: How often a training rank asks whether its validation worker finished the previous validation,
 #: where a validation point comes before it did.
 IDLE_POLL_S = 0.01
 
-#: How often a training rank waiting for its validation worker's answer looks for a replacement.
+#: How often a training rank waiting for its validation worker's answer looks for newer ones.
 _ANSWER_POLL_S = 0.25
 
 #: The fit loop state's keys of the validation loop's own progress, which a validation worker keeps.
@@ -74,7 +77,7 @@ _VAL_LOOP_PREFIX = "epoch_loop.val_loop."
 
 class _Unanswered(Exception):
     """This rank's validation worker did not answer: its actor failed (its process died), or the
-    controller replaced it while the rank waited."""
+    controller replaced it while the rank waited (a call to a killed actor may not end)."""
 
 
 class HandOff(Callback):
@@ -82,20 +85,20 @@ class HandOff(Callback):
     and as a callback: it reads the module's plain attributes as the ``fit`` starts, and where the
     controller runs ``EarlyStopping``, takes its decision at a batch start."""
 
-    def __init__(self, trainer: Trainer, state: RankState, validator: Any, mark: Mark, early_stopping: bool) -> None:
-        """``validator``: the actor of this rank's validation worker; ``early_stopping``: the
+    def __init__(self, trainer: Trainer, state: RankState, validators: Validators, mark: Mark) -> None:
+        """``validators``: the validation workers (this rank's is ``actors[rank]``), and whether the
         controller runs an ``EarlyStopping``, whose decision the ranks take at a batch start."""
         self._trainer = trainer
-        self._early_stopping = early_stopping
+        self._early_stopping = validators.early_stopping
         #: The module's plain attributes, and as they were at the ``fit``'s start (``on_fit_start``).
         self._attributes: Optional[PlainAttributes] = None
         self._at_start: dict[Key, bytes] = {}
         self._state = state
-        self._validator = validator
+        #: The validation workers this rank hands to; the newest the controller gave (:meth:`replace`).
+        self._validators = validators
+        self._newest = validators
+        self._replaced = threading.Condition()
         self._mark = mark
-        #: The validation worker that replaces this rank's after a failed validation (:meth:`replace`).
-        self._replaced = threading.Event()
-        self._replacement: Any = None
         #: Set by the endpoint thread when the controller's ``EarlyStopping`` decided to stop.
         self._stop = threading.Event()
         self._group: Any = None
@@ -120,21 +123,31 @@ class HandOff(Callback):
             attributes=self._attributes.changed_since(self._at_start),
         )
         self._draw_as_validation_does()
-        while not self._handed(request):
-            self._replaced.wait()
-            self._replaced.clear()
-            self._validator = self._replacement
-        self._mark(HANDED_OFF_GATE, self._number, True)
-        return None
+        while True:
+            generation = self._validators.generation
+            taken = self._agreed(self._handed(request))
+            self._mark(HANDED_OFF_GATE, HandedOff(self._number, generation, taken), taken)
+            if taken:
+                return None
+            self._validators = self._newer_than(generation)
+
+    def _newer_than(self, generation: int) -> Validators:
+        """The validation workers that replace those of ``generation``, once the controller gave them."""
+        with self._replaced:
+            self._replaced.wait_for(lambda: self._newest.generation > generation)
+            return self._newest
 
     def _handed(self, request: ValidationRequest) -> bool:
         """Hand ``request`` to this rank's validation worker once it finished the validation before;
-        ``False`` where it cannot: the validation failed (its server ended, or the process died),
-        and the controller replaces the validation workers when it replays that validation."""
+        ``False`` where it cannot: a validation failed (its server ended, or the process died), and
+        the controller replaces the validation workers when it replays that validation or takes
+        this try's mark. A worker that died as it took the request (its answer lost) may have
+        taken it: the ranks' agreement makes that try fail on every rank."""
+        validator = self._validators.actors[self._trainer.global_rank]
         try:
-            while not self._answer(self._validator.validation_idle.call_one()):
+            while not self._answer(validator.validation_idle.call_one()):
                 time.sleep(IDLE_POLL_S)
-            self._answer(self._validator.validate.call_one(request))
+            self._answer(validator.validate.call_one(request))
         except _Unanswered as error:
             log.debug("Rank %d could not hand its validation over: %s", self._trainer.global_rank, error)
             return False
@@ -148,15 +161,25 @@ class HandOff(Callback):
             try:
                 return future.get(timeout=_ANSWER_POLL_S)
             except TimeoutError:
-                if self._replaced.is_set():
+                if self._newest.generation > self._validators.generation:
                     raise _Unanswered("the controller replaced the validation worker") from None
             except Exception as error:  # the actor's failure, as Monarch reports it
                 raise _Unanswered(f"{type(error).__name__}: {error}") from error
 
+    def _agreed(self, handed: bool) -> bool:
+        """Whether every training rank ``handed`` its weights over: where one could not, the
+        others' validation workers would wait for its in their collectives, so every rank hands
+        them again, to the same new validation workers."""
+        taken = torch.tensor([float(handed)])
+        dist.all_reduce(taken, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(taken.item())
+
     def replace(self, validators: Validators) -> None:
         """Runs on the endpoint thread: the controller replaced the validation workers."""
-        self._replacement = validators.actors[self._trainer.global_rank]
-        self._replaced.set()
+        with self._replaced:
+            if validators.generation > self._newest.generation:
+                self._newest = validators
+            self._replaced.notify_all()
 
     def stop(self) -> None:
         """Runs on the endpoint thread: the controller's ``EarlyStopping`` decided to stop."""
@@ -164,8 +187,7 @@ class HandOff(Callback):
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self._early_stopping:
-            self._group = dist.new_group(backend="gloo")
+        self._group = dist.new_group(backend="gloo")
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

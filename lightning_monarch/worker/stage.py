@@ -151,7 +151,7 @@ def _build(
         loop.publish(recorder.entry(gate, recorder.arrival(), number, [], views=views))
 
     state = RankState(trainer, rank, worker_callbacks)
-    validation = _async_validation(spec, trainer, rank, state, mark)
+    validation = _async_validation(spec, trainer, state, mark)
     install_hook_gates(module, "module", MODULE_HOOKS, around)
     for callback in worker_callbacks:
         if isinstance(callback, LearningRateFinder):  # its trial fit: ``worker.trial``
@@ -214,7 +214,7 @@ def _build(
 
 
 def _async_validation(
-    spec: StageSpec, trainer: Trainer, rank: int, state: RankState, mark: Mark
+    spec: StageSpec, trainer: Trainer, state: RankState, mark: Mark
 ) -> Union[HandOff, ValidationServer, None]:
     """A ``fit`` with asynchronous validation (``worker.async_validation``): a training rank hands
     its checkpoint state to its validation worker where its loop would validate (and, as a
@@ -223,7 +223,7 @@ def _async_validation(
     of training, without a sanity check (the training ranks run it). Returns either."""
     validators = spec.validators
     if validators is not None:
-        hand_off = HandOff(trainer, state, validators.actors[rank], mark, validators.early_stopping)
+        hand_off = HandOff(trainer, state, validators, mark)
         trainer.fit_loop.epoch_loop.val_loop.run = hand_off  # type: ignore[method-assign]
         trainer.callbacks.append(hand_off)  # type: ignore[attr-defined]
         return hand_off

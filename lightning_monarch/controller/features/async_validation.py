@@ -136,6 +136,8 @@ class ValidationMesh:
         self._settings = settings
         self.early_stopping = early_stopping
         self._mesh: Optional[WorkerMesh] = None
+        #: How many times the validation workers were replaced (``specs.Validators``).
+        self.generation = -1
         self._serving: Optional[StageSpec] = None
         #: The serving stage's traffic, once started.
         self.channel: Optional[StageChannel] = None
@@ -162,7 +164,8 @@ class ValidationMesh:
         assert self._serving is not None  # made by ``start``
         self.channel = StageChannel(self._mesh, self._serving, shared_memory=self._settings.shared_memory)
         self.channel.start()
-        return Validators(self._mesh.rank_actors(), self.early_stopping)
+        self.generation += 1
+        return Validators(self._mesh.rank_actors(), self.early_stopping, self.generation)
 
     def stop(self, failed: bool) -> None:
         """Stop the validation workers, killing them if the ``fit`` failed (they may be stuck)."""

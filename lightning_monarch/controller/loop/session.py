@@ -66,6 +66,7 @@ from lightning_monarch.wire.protocol import (
     set_control_state,
 )
 from lightning_monarch.wire.reports import CheckpointState
+from lightning_monarch.wire.specs import mark_number
 
 _BASES = {"module": LightningModule, "datamodule": LightningDataModule}
 
@@ -273,7 +274,7 @@ class StageSession:
         """Take and apply the next entry: ``gate``, a mark of no hook, for validation point ``number``."""
         self._leave()
         entry = self._queue.first(ending=False)
-        if (entry.gate, entry.result) != (gate, number):
+        if (entry.gate, mark_number(entry.result)) != (gate, number):
             raise DivergenceError(f"The controller expected `{gate}` {number}; the workers recorded `{entry.gate}`.")
         self._apply(self._queue.pop())
         return entry

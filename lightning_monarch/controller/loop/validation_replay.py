@@ -101,7 +101,12 @@ class ValidationReplay:
         hand-off mark."""
         session = self._session
         earlier = session.beneath
-        handed = session.take_mark(HANDED_OFF_GATE, self._number)
+        handed = self._handed_off(trainer)
+        if handed.result.generation < self._validation.generation:
+            self._report(
+                trainer, "its validation workers were replaced, after an earlier validation failed, before it ran"
+            )
+            return handed
         session.beneath = _over(earlier, handed.views)
         training = trainer.lightning_module.training
         try:
@@ -120,19 +125,46 @@ class ValidationReplay:
             session.beneath = _over(earlier, end.views)
         return handed
 
+    def _handed_off(self, trainer: Trainer) -> Entry:
+        """The training rank 0's mark of the try in which every training rank handed its weights of
+        this validation over (``HandedOff``). Each try before it failed: a rank's validation worker
+        did not take them (it died, or its stage ended, since the validation before). Those
+        validation workers are replaced, unless a failed validation's replay replaced them already,
+        and the ranks try again on the new ones: the validation is not lost, and it is reported."""
+        while True:
+            entry = self._session.take_mark(HANDED_OFF_GATE, self._number)
+            if entry.result.taken:
+                return entry
+            if entry.result.generation == self._validation.generation:
+                rank_zero_warn(
+                    f"lightning_monarch: a validation worker could not take the weights of the validation at step"
+                    f" {trainer.global_step} (epoch {trainer.current_epoch}): it died, or its stage ended, since the"
+                    f" validation before it. That validation and the next run on new validation workers.",
+                    category=ValidationFailedWarning,
+                )
+                self._replace()
+
     def _failed(self, trainer: Trainer, failure: Exception) -> None:
-        """The validation of the step the controller's loop is at failed: report it (a
-        ``ValidationFailedWarning``, which a warnings filter may turn into the ``fit``'s error), and
-        let the training workers, which wait at their next validation point, hand the next ones to
-        new validation workers (a peer of a rank that failed may wait in a collective that never
-        ends)."""
+        """The validation of the step the controller's loop is at failed: report it, and let the
+        training workers, which wait at their next validation point, hand the next ones to new
+        validation workers (a peer of a rank that failed may wait in a collective that never ends)."""
+        self._report(trainer, f"{type(failure).__name__}: {failure}")
+        self._replace()
+
+    def _report(self, trainer: Trainer, cause: str) -> None:
+        """Report that the validation of the step the controller's loop is at has no results, for
+        ``cause``: a ``ValidationFailedWarning``, which a warnings filter may turn into the
+        ``fit``'s error."""
         rank_zero_warn(
             f"lightning_monarch: the validation at step {trainer.global_step} (epoch {trainer.current_epoch}) failed"
             f" on the validation workers and has no results; training goes on, and the next validations run on new"
             f" validation workers (`warnings.simplefilter('error', lightning_monarch.ValidationFailedWarning)` ends"
-            f" the fit instead). {type(failure).__name__}: {failure}",
+            f" the fit instead). {cause}",
             category=ValidationFailedWarning,
         )
+
+    def _replace(self) -> None:
+        """Stop the validation workers and give the training workers new ones."""
         validators = self._validation.replace()
         self._queue = self._follow()
         self._training.mesh.deliver(Message("new_validators", (validators,), wait=False))
@@ -159,7 +191,8 @@ class ValidationReplay:
         """A validation that the training workers handed off before their stop reached them, which
         the synchronous run never reaches: its entries are taken (the validation mesh released where
         it waits) and its results dropped, so that loggers and callbacks hold the synchronous run's."""
-        self._session.take_mark(HANDED_OFF_GATE, self._number)
+        if self._handed_off(trainer).result.generation < self._validation.generation:
+            return  # handed to validation workers replaced since, which never ran it
         try:
             entry = self._pass()
             while (entry.gate, entry.result) != (VALIDATION_END_GATE, self._number):
