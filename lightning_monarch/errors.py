@@ -61,14 +61,22 @@ class HostsLostError(MeshFailureError):
     ``hosts`` names them by their place among the
     ``num_hosts`` hosts the mesh started on (the order of ``MonarchStrategy(hosts=...)``). Under
     ``MonarchStrategy(min_nodes=...)`` a ``fit`` goes on without them while enough hosts remain
-    (``controller.features.elastic``); otherwise this is the error the run ends with."""
+    (``controller.features.elastic``); otherwise this is the error the run ends with. ``why``
+    says how they were found lost (their address refuses connections, or no process started)."""
 
     def __init__(
-        self, message: str, ranks: tuple[int, ...], hosts: tuple[int, ...], num_hosts: int, detected_at: float
+        self,
+        message: str,
+        ranks: tuple[int, ...],
+        hosts: tuple[int, ...],
+        num_hosts: int,
+        detected_at: float,
+        why: str = "",
     ) -> None:
         super().__init__(message, ranks, detected_at)
         self.hosts = hosts
         self.num_hosts = num_hosts
+        self.why = why
 
 
 class WorkerTimeoutError(MeshFailureError):

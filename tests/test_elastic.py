@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 import socket
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import suppress
@@ -49,9 +48,8 @@ CONNECT_TIMEOUT_S = 10
 class KillHost(L.Callback):
     """SIGKILLs, from the controller, worker ``rank`` and its host process, whose ID ``host`` gives,
     with every process the host started (it runs in a session of its own), when ``global_step``
-    reaches ``step``; records the workers' process IDs then, in the smaller world, and at the end,
-    and the seconds from the kill to the smaller world's first step; and once the run goes on in
-    the smaller world, calls ``then``."""
+    reaches ``step``; records the workers' process IDs then, in the smaller world, and at the end;
+    and once the run goes on in the smaller world, calls ``then``."""
 
     def __init__(
         self, rank: int, host: Callable[[], int], step: int, then: Optional[Callable[[], None]] = None
@@ -60,20 +58,16 @@ class KillHost(L.Callback):
         self.pids_before: Optional[list[int]] = None
         self.pids_smaller: Optional[list[int]] = None
         self.pids_at_end: Optional[list[int]] = None
-        self.killed_at = 0.0
-        self.seconds_to_smaller: Optional[float] = None
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self.pids_before is None and trainer.global_step == self.step:
             self.pids_before = trainer.strategy.worker_pids
             worker = self.pids_before[self.rank]
-            self.killed_at = time.monotonic()
             os.killpg(self.host(), signal.SIGKILL)
             with suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGKILL)
         elif self.pids_smaller is None and trainer.strategy.num_nodes == 1:
             self.pids_smaller = trainer.strategy.worker_pids
-            self.seconds_to_smaller = time.monotonic() - self.killed_at
             if self.then is not None:
                 self.then()
 
@@ -178,11 +172,13 @@ def test_a_fit_that_loses_a_host_ends_as_ddp_stopped_at_the_resume_point_and_res
     assert killer.pids_smaller == killer.pids_before[:1] == [survivor.killed]  # host 0's worker went on
     assert len(killer.pids_at_end) == 1 and killer.pids_at_end[0] != survivor.killed  # a new process on host 0
     assert strategy.world_changes == 1 and strategy.restarts == 1
-    # the killed host's socket refused connections: lost at once, without the connect timeout
-    assert killer.seconds_to_smaller is not None and killer.seconds_to_smaller < CONNECT_TIMEOUT_S
     assert strategy.num_nodes == 2 and trainer.accumulate_grad_batches == 1
     (change,) = changes
-    assert "lost host(s) [1] of 2 (worker ranks [1]); training goes on with 1 worker(s) on 1 host(s)" in change
+    # the killed host's socket refused connections: lost at once, without the connect timeout
+    assert (
+        "lost host(s) [1] of 2 (worker ranks [1]; the worker address of [1] refuses connections); training goes on"
+        " with 1 worker(s) on 1 host(s)"
+    ) in change
     assert "accumulate_grad_batches=2, from the start of epoch 2 (global step 12)" in change
     _assert_same_run(ours, reference, tmp_path)
 
@@ -210,7 +206,7 @@ def test_a_host_back_at_the_same_address_is_refused_by_monarch_and_the_run_goes_
     assert len(refused) == 1 and hosts[1].address in refused[0] and "serve it at a new address" in refused[0]
     assert strategy.world_changes == 1 and len(changes) == 1
     # the killed host's address refused connections: lost at once, without the connect timeout
-    assert killer.seconds_to_smaller is not None and killer.seconds_to_smaller < CONNECT_TIMEOUT_S
+    assert "the worker address of [1] refuses connections)" in changes[0]
     _assert_same_run(ours, reference, tmp_path)
 
 
@@ -241,9 +237,9 @@ def test_a_lost_host_that_serves_again_rejoins_at_the_next_epoch_as_ddp_resumed_
     assert killer.pids_before is not None and killer.pids_at_end is not None
     assert killer.pids_smaller == killer.pids_at_end[:1] == killer.pids_before[:1]  # host 0's worker throughout
     assert killer.pids_at_end[1] not in killer.pids_before  # host 1's new worker
-    assert killer.seconds_to_smaller is not None and killer.seconds_to_smaller < CONNECT_TIMEOUT_S
     assert strategy.world_changes == 2
     shrunk, grown = changes
+    assert "the worker address of [1] refuses connections)" in shrunk
     assert "from the start of epoch 2 (global step 12)" in shrunk
     assert "host(s) [1] serve workers again; training goes on with 2 worker(s) on 2 host(s)" in grown
     assert "accumulate_grad_batches=1, from the start of epoch 3 (global step 18)" in grown
@@ -368,10 +364,10 @@ def test_a_host_is_lost_at_once_where_its_worker_address_refuses_connections(tmp
     with socket.create_server(("127.0.0.1", 0)) as server:
         listening = f"tcp://127.0.0.1:{server.getsockname()[1]}"
         addresses = [listening, f"ipc://{tmp_path / 'gone'}", f"ipc://{stale}", "not-an-address"]
-        check = LostHostCheck(CONNECT_TIMEOUT_S, lambda: addresses)
-        assert not refuses(listening) and check.refused_slots() == {1, 2}
-    assert refuses(listening) and check.refused_slots() == {0, 1, 2}
-    assert LostHostCheck(CONNECT_TIMEOUT_S, lambda: None).refused_slots() == set()
+        refusing = LostHostCheck(CONNECT_TIMEOUT_S, lambda: addresses).refusing()
+        assert not refuses(listening) and [refusing(slot) for slot in range(5)] == [False, True, True, False, False]
+    assert refuses(listening) and refusing(0)
+    assert not LostHostCheck(CONNECT_TIMEOUT_S, lambda: None).refusing()(0)
 
 
 def test_the_surviving_hosts_of_a_part_are_the_longest_range_of_live_ones() -> None:

@@ -202,7 +202,9 @@ class ElasticFit:
     def shrink(self, lost: HostsLostError) -> None:
         """Go on without the hosts ``lost`` names, from the latest resume point."""
         ranks = list(lost.ranks) or "unknown"
-        self._go_on_without(lost, f"lost host(s) {list(lost.hosts)} of {lost.num_hosts} (worker ranks {ranks})")
+        self._go_on_without(
+            lost, f"lost host(s) {list(lost.hosts)} of {lost.num_hosts} (worker ranks {ranks}; {lost.why})"
+        )
 
     def leave(self, noticed: PreemptionNoticed) -> None:
         """Go on without the hosts that got a preemption notice, from the resume point kept where

@@ -206,25 +206,22 @@ class StageChannel:
         check = self._lost_hosts
         if check is None or isinstance(failure, WorkerTimeoutError):
             return
-        refused = check.refused_slots()
-        lost = self.mesh.lost_hosts(check.timeout, refused)
-        if lost:
-            refusing, waited = (
-                [slot for slot in lost if slot in refused],
-                [slot for slot in lost if slot not in refused],
-            )
-            reasons = [f"the worker address of {refusing} refuses connections"] if refusing else []
-            if waited:
+        lost = self.mesh.lost_hosts(check.timeout, check.refusing())
+        if lost.slots:
+            reasons = [f"the worker address of {lost.refusing} refuses connections"] if lost.refusing else []
+            if lost.silent:
                 reasons.append(
-                    f"no new process started on {waited} within {check.timeout:g} s (`MonarchStrategy(connect_timeout=...)`)"
+                    f"no new process started on {lost.silent} within {check.timeout:g} s"
+                    " (`MonarchStrategy(connect_timeout=...)`)"
                 )
+            why = "; ".join(reasons)
             raise HostsLostError(
-                f"Host(s) {lost} of the {self.mesh.num_slots} the workers started on were lost:"
-                f" {'; '.join(reasons)}. {failure}",
+                f"Host(s) {lost.slots} of the {self.mesh.num_slots} the workers started on were lost: {why}. {failure}",
                 failure.ranks,
-                tuple(lost),
+                tuple(lost.slots),
                 self.mesh.num_slots,
                 failure.detected_at,
+                why,
             ) from failure
 
     def _follow(self, recorded: list[Entry], position: int, target: int) -> int:

@@ -350,9 +350,11 @@ class LostHostCheck:
     timeout: float
     addresses: Callable[[], Optional[list[str]]]
 
-    def refused_slots(self) -> set[int]:
-        """The slots whose worker address refuses a connection now."""
-        return {slot for slot, address in enumerate(self.addresses() or []) if refuses(address)}
+    def refusing(self) -> Callable[[int], bool]:
+        """Whether a slot's worker address refuses a connection now, among the addresses the hosts
+        have as the check begins (none refuses where they are not known)."""
+        addresses = self.addresses() or []
+        return lambda slot: slot < len(addresses) and refuses(addresses[slot])
 
 
 def host_count(mesh: HostMesh) -> int:

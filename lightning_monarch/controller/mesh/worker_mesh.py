@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,7 +24,7 @@ from lightning_monarch.controller.mesh.lifelines import LIFELINES
 from lightning_monarch.controller.mesh.output import WorkerOutput
 from lightning_monarch.controller.mesh.storages import KeptShards
 from lightning_monarch.controller.mesh.watch import POLL_S, ProcessWatch
-from lightning_monarch.controller.mesh.world import WorkerWorld, leave_world
+from lightning_monarch.controller.mesh.world import LostSlots, WorkerWorld, leave_world
 from lightning_monarch.errors import MeshFailureError, WorkerError
 from lightning_monarch.wire.codec import Shipment, StorageKey, decode
 from lightning_monarch.wire.protocol import Entry, Grant, RankStatus
@@ -360,13 +360,13 @@ class WorkerMesh:
         """How many hosts the mesh started on."""
         return host_count(self._hosts)
 
-    def lost_hosts(self, timeout: float, refused: set[int]) -> list[int]:
-        """The slots of the hosts whose host process is gone, not only a worker: those in
-        ``refused`` (their worker address refuses connections) and those that do not serve a new
-        process within ``timeout`` seconds (``WorkerWorld.lost_slots``)."""
+    def lost_hosts(self, timeout: float, refusing: Callable[[int], bool]) -> LostSlots:
+        """The slots of the hosts whose host process is gone, not only a worker: their worker
+        address refuses connections (``refusing``), or they do not serve a new process within
+        ``timeout`` seconds (``WorkerWorld.lost_slots``)."""
         assert self._world is not None
-        lost = self._world.lost_slots(timeout, _STOP_TIMEOUT_S, refused)
-        self._lost = self._lost or bool(lost)
+        lost = self._world.lost_slots(timeout, _STOP_TIMEOUT_S, refusing)
+        self._lost = self._lost or bool(lost.slots)
         return lost
 
     def stages_ended(self, timeout: float = _TAKE_WARNINGS_S) -> bool:

@@ -28,6 +28,10 @@ from lightning_monarch.worker.process import LOCAL_DIMENSION
 
 log = logging.getLogger(__name__)
 
+#: How often a lost-host check, waiting for a host to serve a new process, asks again whether the
+#: host's worker address refuses connections.
+_REFUSAL_POLL_S = 0.25
+
 
 @dataclass
 class Part:
@@ -151,28 +155,34 @@ class WorkerWorld:
             actors.extend(part.workers.slice(**host, **{LOCAL_DIMENSION: local}) for local in range(self._per_host))
         return tuple(actors)
 
-    def lost_slots(self, timeout: float, stop_timeout: float, refused: set[int]) -> list[int]:
-        """The slots of the hosts that do not serve a new process within ``timeout`` seconds: their
-        host process is gone, not only a worker. The slots in ``refused`` (their worker address
-        refuses connections) are lost without waiting. Every other host is asked, at once (a live
-        one answers in a second or two): a death on another host is named by Monarch's report in
-        the coordinates of the mesh the worker started in, which after a world change are not its
-        rank's."""
-        asked = [slot for slot in self.slots if slot not in refused]
-        probes = {slot: self.hosts_of(slot).spawn_procs(per_host={LOCAL_DIMENSION: 1}) for slot in asked}
+    def lost_slots(self, timeout: float, stop_timeout: float, refusing: Callable[[int], bool]) -> LostSlots:
+        """The slots of the hosts whose host process is gone, not only a worker: their worker
+        address refuses connections (``refusing``), or they do not serve a new process within
+        ``timeout`` seconds. Every other host is asked, at once (a live one answers in a second or
+        two): a death on another host is named by Monarch's report in the coordinates of the mesh
+        the worker started in, which after a world change are not its rank's. While a host's new
+        process is waited for, its address is asked again: a killed host's port closes only once
+        its process has exited, which a loaded machine can take seconds over."""
+        refused = [slot for slot in self.slots if refusing(slot)]
+        probes = {
+            slot: self.hosts_of(slot).spawn_procs(per_host={LOCAL_DIMENSION: 1})
+            for slot in self.slots
+            if slot not in refused
+        }
         deadline = time.monotonic() + timeout
-        lost = [slot for slot in self.slots if slot in refused]
+        silent = []
         for slot, probe in probes.items():
-            try:
-                probe.initialized.get(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:  # timed out, or Monarch reported the host gone
-                lost.append(slot)
-                continue
-            try:
-                probe.stop().get(timeout=stop_timeout)
-            except Exception as error:
-                log.warning("Stopping the process that showed host %d lives failed: %s", slot, error)
-        return sorted(lost)
+            answer = _answer(probe, deadline, slot, refusing)
+            if answer == "refuses":
+                refused.append(slot)
+            elif answer == "silent":
+                silent.append(slot)
+            else:
+                try:
+                    probe.stop().get(timeout=stop_timeout)
+                except Exception as error:
+                    log.warning("Stopping the process that showed host %d lives failed: %s", slot, error)
+        return LostSlots(sorted(refused), silent)
 
     def join(self) -> None:
         """Give every worker the torch elastic environment of this world: ``RANK`` in slot order,
@@ -193,6 +203,36 @@ class WorkerWorld:
             workers = Counted(part.workers, len(part.slots) * self._per_host, self._sent)
             for future in workers.join_world.stream(world):
                 future.get()
+
+
+@dataclass(frozen=True)
+class LostSlots:
+    """The hosts a lost-host check found gone, by slot: ``refusing``, their worker address refuses
+    connections; ``silent``, no new process started on them in time (or Monarch reported them gone)."""
+
+    refusing: list[int]
+    silent: list[int]
+
+    @property
+    def slots(self) -> list[int]:
+        return sorted(self.refusing + self.silent)
+
+
+def _answer(probe: ProcMesh, deadline: float, slot: int, refusing: Callable[[int], bool]) -> str:
+    """How the host of ``slot`` answers ``probe``, its new process, by ``deadline``: it ``serves``
+    it, its worker address ``refuses`` connections meanwhile, or neither (``silent``; also where
+    Monarch reported the host gone)."""
+    while True:
+        try:
+            probe.initialized.get(timeout=min(_REFUSAL_POLL_S, max(0.0, deadline - time.monotonic())))
+            return "serves"
+        except TimeoutError:
+            if refusing(slot):
+                return "refuses"
+            if time.monotonic() >= deadline:
+                return "silent"
+        except Exception:  # Monarch reported the host gone
+            return "silent"
 
 
 def leave_world(workers: Counted, timeout: float) -> bool:
