@@ -71,6 +71,11 @@ IDLE_POLL_S = 0.01
 #: How often a training rank waiting for its validation worker's answer looks for newer ones.
 _ANSWER_POLL_S = 0.25
 
+#: How long a validation worker has to answer whether it is idle (a lock's read) before its training
+#: rank takes it as gone: a call to a dead actor from a process other than the one that started it
+#: may never end, and Monarch reports the death to the controller alone.
+IDLE_ANSWER_S = 10.0
+
 #: The fit loop state's keys of the validation loop's own progress, which a validation worker keeps.
 _VAL_LOOP_PREFIX = "epoch_loop.val_loop."
 
@@ -145,7 +150,7 @@ class HandOff(Callback):
         taken it: the ranks' agreement makes that try fail on every rank."""
         validator = self._validators.actors[self._trainer.global_rank]
         try:
-            while not self._answer(validator.validation_idle.call_one()):
+            while not self._answer(validator.validation_idle.call_one(), IDLE_ANSWER_S):
                 time.sleep(IDLE_POLL_S)
             self._answer(validator.validate.call_one(request))
         except _Unanswered as error:
@@ -153,16 +158,20 @@ class HandOff(Callback):
             return False
         return True
 
-    def _answer(self, future: Any) -> Any:
-        """The validation worker's answer; :class:`_Unanswered` where its actor failed (died), or the
-        controller replaced it first (a call to a killed actor may not end). An error in sending
-        the call (a state that cannot be pickled) is raised as it is."""
+    def _answer(self, future: Any, limit: Optional[float] = None) -> Any:
+        """The validation worker's answer; :class:`_Unanswered` where its actor failed (died), the
+        controller replaced it first (a call to a killed actor may not end), or it did not answer
+        within ``limit`` seconds. An error in sending the call (a state that cannot be pickled) is
+        raised as it is."""
+        started = time.monotonic()
         while True:
             try:
                 return future.get(timeout=_ANSWER_POLL_S)
             except TimeoutError:
                 if self._newest.generation > self._validators.generation:
                     raise _Unanswered("the controller replaced the validation worker") from None
+                if limit is not None and time.monotonic() - started > limit:
+                    raise _Unanswered(f"no answer within {limit:g} s: its process is gone") from None
             except Exception as error:  # the actor's failure, as Monarch reports it
                 raise _Unanswered(f"{type(error).__name__}: {error}") from error
 
