@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, TQDMProg
 from lightning.pytorch.loggers import Logger
 
 from lightning_monarch import MonarchStrategy, ValidationFailedWarning, WorkerError
+from lightning_monarch.worker.loop import FETCH_LINGER_S
 from tests.models import PlaceRecordingClassifier
 from tests.parity_cases import comparable_checkpoint
 from tests.served_hosts import ServedHost
@@ -232,12 +233,16 @@ class LaggingLogger(RowLogger):
         super().log_metrics(metrics, step)
 
 
-def _failing(root: Path, step: Optional[int], how: str, logger: Optional[RowLogger] = None) -> dict[str, Any]:
+def _failing(
+    root: Path, step: Optional[int], how: str, logger: Optional[RowLogger] = None, step_s: float = 0.0
+) -> dict[str, Any]:
     """The asynchronous fit of :func:`_fit`, without checkpoints, whose validation worker of rank 1
-    fails in the validation of ``step`` (or of rank 0 at the ``fit``'s end: ``None``) as ``how`` says."""
+    fails in the validation of ``step`` (or of rank 0 at the ``fit``'s end: ``None``) as ``how`` says;
+    each training step sleeps ``step_s``."""
     model, rows = recording(root)
     logger = logger or rows
     model.fail_validation = (step, how)
+    model.step_s = step_s
     _trainer("async", logger).fit(model)
     return {"rows": logger.rows, "weights": model.state_dict(), "places": places(root)}
 
@@ -261,9 +266,11 @@ def test_a_validation_worker_that_died_after_its_validation_is_replaced_for_the_
 ) -> None:
     """Rank 0's validation worker, alive, takes the next weights; rank 1's cannot, and the
     controller, behind, has not seen it die: every training rank hands them again, to new
-    validation workers."""
+    validation workers. The steps are longer than rank 0's fetch lingers for (``worker.loop``), as
+    on a loaded machine: the entries of the batch in which the ranks wait for new validation workers
+    must reach the controller before that batch ends (they once waited for it, and the fit hung)."""
     with pytest.warns(ValidationFailedWarning, match=r"at step (6|9) \(epoch (0|1)\)"):
-        asynchronous = _failing(tmp_path, 6, "kill after", LaggingLogger(until=9))
+        asynchronous = _failing(tmp_path, 6, "kill after", LaggingLogger(until=9), step_s=2 * FETCH_LINGER_S)
     # the validation of step 6 has its results, unless the controller saw the death as it took them
     validations = [row for row in synchronous["rows"] if "val_loss" in row[1]]
     without = [row for row in synchronous["rows"] if row is not validations[1]]

@@ -206,12 +206,15 @@ class StageLoop:
 
     def _stuck(self) -> bool:
         """Whether the loop thread waits for something only the controller can send (under the
-        lock): a release, parked at a sync gate; credit, before a batch. So does a validation worker
-        that waits for weights: its entries are all the controller gets until then."""
+        lock): a release, parked at a sync gate; credit, before a batch; new validation workers, as a
+        training rank of asynchronous validation. So does a validation worker that waits for weights:
+        its entries are all the controller gets until then."""
         if self._parked:
             return not any(isinstance(item, Release) for item in self._inbox)
-        served = isinstance(self.validation, ValidationServer) and self.validation.waiting
-        return served or (self._credit_waiting and self._started >= self._granted_batches + (self._plan.max_ahead or 0))
+        validating = self.validation is not None and self.validation.waiting
+        return validating or (
+            self._credit_waiting and self._started >= self._granted_batches + (self._plan.max_ahead or 0)
+        )
 
     def grant(self, grant: Grant) -> None:
         """Runs on the endpoint thread: the controller took ``grant.batches`` batch starts."""
