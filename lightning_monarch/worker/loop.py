@@ -205,16 +205,13 @@ class StageLoop:
         return self._stuck() or self._ended is not None or any(entry.checkpoint is not None for entry in self._entries)
 
     def _stuck(self) -> bool:
-        """Whether the loop thread waits for something only the controller can send (under the
-        lock): a release, parked at a sync gate; credit, before a batch; new validation workers, as a
-        training rank of asynchronous validation. So does a validation worker that waits for weights:
-        its entries are all the controller gets until then."""
+        """Whether the loop thread waits for what only the controller can send (under the lock): a release, parked
+        at a sync gate; credit, before a batch; new validation workers, as a training rank of asynchronous
+        validation. So does a validation worker that waits for weights: its entries are all the controller gets."""
         if self._parked:
             return not any(isinstance(item, Release) for item in self._inbox)
-        validating = self.validation is not None and self.validation.waiting
-        return validating or (
-            self._credit_waiting and self._started >= self._granted_batches + (self._plan.max_ahead or 0)
-        )
+        credit = self._credit_waiting and self._started >= self._granted_batches + (self._plan.max_ahead or 0)
+        return credit or (self.validation is not None and self.validation.waiting)
 
     def grant(self, grant: Grant) -> None:
         """Runs on the endpoint thread: the controller took ``grant.batches`` batch starts."""
