@@ -103,7 +103,7 @@ class HandOff(Callback):
         self._validators = validators
         self._newest = validators
         self._replaced = threading.Condition()
-        self._waiting = False
+        self._awaiting = False
         self._mark = mark
         #: Set by the endpoint thread when the controller's ``EarlyStopping`` decided to stop.
         self._stop = threading.Event()
@@ -140,18 +140,19 @@ class HandOff(Callback):
     def _newer_than(self, generation: int) -> Validators:
         """The validation workers that replace those of ``generation``, once the controller gave them."""
         with self._replaced:
-            self._waiting = True
+            self._awaiting = True
             self._replaced.wait_for(lambda: self._newest.generation > generation)
-            self._waiting = False
+            self._awaiting = False
             return self._newest
 
     @property
-    def waiting(self) -> bool:
+    def awaiting_validators(self) -> bool:
         """Whether the loop thread waits for the controller's new validation workers, in a batch
         that does not end until they come: the controller needs rank 0's entries so far at once, its
-        mark of the failed try among them (read by the stage's fetch, ``worker.loop``)."""
+        mark of the failed try among them (read by the stage's fetch, ``worker.loop``). Not a wait
+        for the controller's loop: the controller sends them as it takes that mark, or has already."""
         with self._replaced:
-            return self._waiting
+            return self._awaiting
 
     def _handed(self, request: ValidationRequest) -> bool:
         """Hand ``request`` to this rank's validation worker once it finished the validation before;

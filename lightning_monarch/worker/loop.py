@@ -202,16 +202,17 @@ class StageLoop:
 
     def _needed_now(self) -> bool:
         """Whether the controller needs the entries recorded so far at once (under the lock)."""
-        return self._stuck() or self._ended is not None or any(entry.checkpoint is not None for entry in self._entries)
+        staged = any(entry.checkpoint is not None for entry in self._entries)
+        awaiting = isinstance(self.validation, HandOff) and self.validation.awaiting_validators
+        return self._stuck() or awaiting or self._ended is not None or staged
 
     def _stuck(self) -> bool:
         """Whether the loop thread waits for what only the controller can send (under the lock): a release, parked
-        at a sync gate; credit, before a batch; new validation workers, as a training rank of asynchronous
-        validation. So does a validation worker that waits for weights: its entries are all the controller gets."""
+        at a sync gate; credit, before a batch. So does a validation worker waiting for weights (all it records)."""
         if self._parked:
             return not any(isinstance(item, Release) for item in self._inbox)
         credit = self._credit_waiting and self._started >= self._granted_batches + (self._plan.max_ahead or 0)
-        return credit or (self.validation is not None and self.validation.waiting)
+        return credit or (isinstance(self.validation, ValidationServer) and self.validation.waiting)
 
     def grant(self, grant: Grant) -> None:
         """Runs on the endpoint thread: the controller took ``grant.batches`` batch starts."""
@@ -384,9 +385,8 @@ class StageLoop:
         return worker_side_result(gate, result)
 
     def _start_batch(self, credit: bool) -> None:
-        """Before a batch starts: count it, and for a batch that takes ``credit`` (a training
-        batch's) wait while this rank is ``max_ahead`` batches ahead of the last batch the
-        controller took (R4)."""
+        """Before a batch starts: count it, and for a batch that takes ``credit`` (a training batch's) wait
+        while this rank is ``max_ahead`` batches ahead of the last batch the controller took (R4)."""
         limit = self._plan.max_ahead
         with self._cond:
             if limit and credit:
