@@ -208,7 +208,7 @@ class StageLoop:
 
     def _stuck(self) -> bool:
         """Whether the loop thread waits for what only the controller can send (under the lock): a release, parked
-        at a sync gate; credit, before a batch. So does a validation worker waiting for weights (all it records)."""
+        at a sync gate; credit, before a batch. So does a validation worker awaiting weights: it records no more."""
         if self._parked:
             return not any(isinstance(item, Release) for item in self._inbox)
         credit = self._credit_waiting and self._started >= self._granted_batches + (self._plan.max_ahead or 0)
