@@ -90,16 +90,18 @@ class StopAtStepEnd(L.Callback):
 
 class PreemptOwnHost(L.Callback):
     """A worker callback: at the end of global step ``step``, the worker of rank ``rank`` sends
-    SIGTERM to its host process and to itself, as a preemptible host's processes get it, and waits
-    until its host has written the notice, so that every worker sees it at the next step's end."""
+    SIGTERM to its host process (``host``, its process ID) and to itself, as a preemptible host's
+    processes get it, and waits until its host has written the notice, so that every worker sees
+    it at the next step's end. (A worker of a host served on this machine is the fork server's
+    child, not its host's: ``hosts.served_here``.)"""
 
-    def __init__(self, rank: int, step: int) -> None:
-        self.rank, self.step = rank, step
+    def __init__(self, rank: int, step: int, host: int) -> None:
+        self.rank, self.step, self.host = rank, step, host
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_rank != self.rank or trainer.global_step != self.step:
             return
-        os.kill(os.getppid(), signal.SIGTERM)
+        os.kill(self.host, signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)
         deadline = time.monotonic() + 10
         while not noticed() and time.monotonic() < deadline:

@@ -17,7 +17,7 @@ from typing import Optional
 
 import psutil
 
-from lightning_monarch.controller.mesh.forkserver import is_worker_process
+from lightning_monarch.controller.mesh.forkserver import SCRIPT, is_worker_process
 from lightning_monarch.controller.mesh.hosts import reachable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,13 +72,19 @@ class ServedHost:
 
     def worker_processes(self) -> list[psutil.Process]:
         """The worker processes this host started and all their descendants (DataLoader workers,
-        the fork server that starts them), as this machine sees them."""
+        the fork server that starts them), as this machine sees them. A host served here with this
+        interpreter (``hosts.served_here``) starts ``start`` processes instead, and the controller's
+        fork server forks their workers, which take the ``start`` process's output pipes."""
         if self.process is None:
             return []
         with suppress(psutil.NoSuchProcess):
-            workers = [
-                child for child in psutil.Process(self.process.pid).children(recursive=True) if _is_worker(child)
-            ]
+            started = psutil.Process(self.process.pid).children(recursive=True)
+            pipes = {_output(child) for child in started if _is_start(child)} - {None}
+            workers = [child for child in started if _is_worker(child)]
+            if pipes:
+                workers += [
+                    process for process in psutil.process_iter() if _output(process) in pipes and _is_worker(process)
+                ]
             return [*workers, *(child for worker in workers for child in _descendants(worker))]
         return []
 
@@ -211,6 +217,21 @@ def _descendants(process: psutil.Process) -> list[psutil.Process]:
     with suppress(psutil.NoSuchProcess):
         return process.children(recursive=True)
     return []
+
+
+def _is_start(process: psutil.Process) -> bool:
+    """Whether ``process`` is a fork server's ``start`` process (``worker/forkserver.py``)."""
+    with suppress(psutil.Error):
+        command = process.cmdline()
+        return SCRIPT in command and command[command.index(SCRIPT) + 1 :][:1] == ["start"]
+    return False
+
+
+def _output(process: psutil.Process) -> Optional[tuple[str, str]]:
+    """What the standard output and error of ``process`` are (``pipe:[INODE]``), if readable."""
+    with suppress(OSError):
+        return os.readlink(f"/proc/{process.pid}/fd/1"), os.readlink(f"/proc/{process.pid}/fd/2")
+    return None
 
 
 def _is_worker(process: psutil.Process) -> bool:

@@ -270,11 +270,11 @@ def test_a_preemption_notice_shrinks_the_world_at_the_next_step_end_with_no_step
     reference = ddp_reference("preempt")
     hosts = [ServedHost(notices=True), ServedHost(notices=True)]
     recorder = StepsAndPids()
-    # host 1's processes get SIGTERM at the end of step 15; its workers see the notice at step 16's
-    preempt = elastic_runs.PreemptOwnHost(rank=1, step=elastic_runs.NOTICE_AT_STEP - 1)
     try:
         for host in hosts:
             host.start()
+        # host 1's processes get SIGTERM at the end of step 15; its workers see the notice at step 16's
+        preempt = elastic_runs.PreemptOwnHost(rank=1, step=elastic_runs.NOTICE_AT_STEP - 1, host=served_pid(hosts[1]))
         strategy, trainer, ours, changes = _fit_elastic(
             tmp_path / "monarch", [host.address for host in hosts], [recorder], caplog, worker_callbacks=[preempt]
         )
@@ -337,7 +337,7 @@ def test_a_preemption_notice_that_leaves_fewer_hosts_than_min_nodes_fails_naming
         strategy = MonarchStrategy(
             hosts=[host.address for host in hosts],
             min_nodes=2,
-            worker_callbacks=[elastic_runs.PreemptOwnHost(rank=1, step=3)],
+            worker_callbacks=[elastic_runs.PreemptOwnHost(rank=1, step=3, host=served_pid(hosts[1]))],
         )
         trainer = elastic_runs.trainer(tmp_path, strategy, devices=1, num_nodes=2)
         with pytest.raises(

@@ -23,6 +23,7 @@ from lightning_monarch.controller.mesh import forkserver
 from lightning_monarch.controller.mesh.hosts import host_mesh
 from lightning_monarch.controller.mesh.output import WorkerOutput
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
+from lightning_monarch.wire.specs import NOTICE_VARIABLE
 from lightning_monarch.worker.forkserver import NOT_READ_AT_IMPORT
 from tests.conftest import probe_workers
 from tests.served_hosts import process_job_host
@@ -45,6 +46,12 @@ def _comparable(start: dict[str, Any]) -> dict[str, Any]:
 
 def _spawned(**kwargs: Any) -> WorkerMesh:
     return WorkerMesh.spawn(2, **kwargs)
+
+
+def test_a_served_hosts_notice_file_lets_its_workers_be_forked() -> None:
+    """The workers of a host served by ``lightning-monarch serve`` on this machine take its notice
+    file's variable, which no import reads: the fork server forks them all the same."""
+    assert NOTICE_VARIABLE in NOT_READ_AT_IMPORT
 
 
 def test_cpu_workers_are_forked_and_start_as_monarchs_own_would() -> None:

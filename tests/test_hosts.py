@@ -20,6 +20,8 @@ from monarch.job import ProcessJob
 
 import lightning_monarch
 from lightning_monarch import MonarchStrategy, UnreachableHostsError
+from lightning_monarch.controller.mesh.forkserver import fork_server_pids
+from lightning_monarch.controller.mesh.pool import MESHES
 from tests.conftest import ROOT, run_ddp_reference
 from tests.models import Classifier
 from tests.parity_cases import HOST_CASES, comparable_checkpoint, run_case
@@ -223,6 +225,10 @@ def test_workers_at_given_addresses_train(worker_host: str) -> None:
         enable_model_summary=False,
     ).fit(model)
     assert model.ranks == [[0, 0, 0, 2], [1, 1, 0, 2]]
+    # served on this machine with this interpreter: forked from this process's fork server, not
+    # started by Monarch's bootstrap (``hosts.served_here``; a host with an interpreter of its own:
+    # ``test_devices.py``, one in PID and host name namespaces of its own: ``test_hidden_hosts.py``)
+    assert [psutil.Process(pid).ppid() in fork_server_pids() for pid in MESHES.worker_pids()] == [True, True]
 
 
 def test_preflight_checks_the_workers_of_other_hosts(worker_host: str) -> None:

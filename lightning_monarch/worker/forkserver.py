@@ -46,9 +46,10 @@ BOOTSTRAP_MODULE = "monarch._src.actor.bootstrap_main"
 #: Monarch sets for each process it launches (and for each host process of a ``ProcessJob``; the
 #: channel of a process's log forwarder, where a mesh forwards its output: ``WorkerOutput``),
 #: pytest's name of the running test, those Lightning's ``seed_everything`` sets (which Lightning
-#: reads only when it seeds), and the terminal's size, which GNU readline exports when a
-#: controller initializes it (through the C library, so ``os.environ`` and the processes started
-#: from it do not have them, while Monarch's do).
+#: reads only when it seeds), the notice file of a host served by ``lightning-monarch serve``
+#: (``wire.specs.NOTICE_VARIABLE``, read by a worker only when it looks for a notice), and the
+#: terminal's size, which GNU readline exports when a controller initializes it (through the C
+#: library, so ``os.environ`` and the processes started from it do not have them, while Monarch's do).
 NOT_READ_AT_IMPORT = frozenset(
     {
         "COLUMNS",
@@ -56,6 +57,7 @@ NOT_READ_AT_IMPORT = frozenset(
         "BOOTSTRAP_LOG_CHANNEL",
         "HYPERACTOR_MESH_BOOTSTRAP_MODE",
         "HYPERACTOR_PROCESS_NAME",
+        "LIGHTNING_MONARCH_NOTICE_FILE",
         "MONARCH_CLIENT_TRACE_ID",
         "_MONARCH_WORKER_ADDR",
         "PYTEST_CURRENT_TEST",

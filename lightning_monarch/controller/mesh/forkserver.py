@@ -1,19 +1,20 @@
 """Worker processes on the controller's host, forked from a fork server (``worker/forkserver.py``).
 
-Runs on the controller. A CPU worker on this host, or on the hosts of a ``ProcessJob`` (host
-processes on this machine, with this interpreter: ``hosts.runs_here``), is started by the bootstrap command
-:func:`bootstrap_command` gives, which has the fork server of its Lightning package fork it, ready
-imported, instead of importing torch and Lightning itself (about 5 CPU-seconds a worker). The
-server is started with the first such mesh, from this process's environment and working
-directory, and another is started when either has changed since: its imports must have seen what
-a new worker's would. The last :data:`KEPT` servers of a package are kept, so that an environment
-changed for a while and then restored (a test's patched variable, a notebook cell's) finds its
-server, and the workers of meshes started before the change keep theirs. Servers stop at
-interpreter exit, after the warm mesh (``controller.mesh.pool``), and die with this process.
+Runs on the controller. A CPU worker on this host, on the hosts of a ``ProcessJob``, or on hosts at
+addresses served on this machine (host processes of this machine, with this interpreter:
+``hosts.runs_here``), is started by the bootstrap command :func:`bootstrap_command` gives, which
+has the fork server of its Lightning package fork it, ready imported, instead of importing torch
+and Lightning itself (about 5 CPU-seconds a worker). The server is started with the first such
+mesh, from this process's environment and working directory, and another is started when either has
+changed since: its imports must have seen what a new worker's would. The last :data:`KEPT` servers
+of a package are kept, so that an environment changed for a while and then restored (a test's
+patched variable, a notebook cell's) finds its server, and the workers of meshes started before the
+change keep theirs. Servers stop at interpreter exit, after the warm mesh
+(``controller.mesh.pool``), and die with this process.
 
 Not used for GPU workers (each pins its device in a process whose CUDA or ROCm runtime must be
-its own; forking is not yet measured on GPU machines), nor for hosts at addresses, which may be
-other machines with interpreters of their own, nor off Linux.
+its own; forking is not yet measured on GPU machines), nor for hosts served elsewhere (other
+machines, interpreters or namespaces: ``hosts.served_here``), nor off Linux.
 """
 
 from __future__ import annotations

@@ -17,9 +17,11 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import math
+import os
 import re
 import shutil
 import socket
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,9 +38,12 @@ from lightning_monarch.errors import UnreachableHostsError
 
 #: The name of the host mesh the workers run on, in a Monarch job's mesh specification.
 HOSTS_MESH = "hosts"
-#: The host meshes of ``ProcessJob``s, by identity: host processes that Monarch started on this
-#: machine with this interpreter and this process's environment (:func:`runs_here`).
-_PROCESS_JOB_MESHES: weakref.WeakValueDictionary[int, HostMesh] = weakref.WeakValueDictionary()
+#: The host meshes whose host processes run on this machine with this interpreter, by identity
+#: (:func:`runs_here`): a ``ProcessJob``'s, and those of worker addresses served here (:func:`served_here`).
+_LOCAL_MESHES: weakref.WeakValueDictionary[int, HostMesh] = weakref.WeakValueDictionary()
+#: The kernel namespaces a host process must share with this one to run "here": its processes,
+#: network, host name and files are this process's.
+_NAMESPACES = ("pid", "net", "uts", "mnt")
 #: Each Monarch job's host mesh, as the first ``Trainer`` given the job connected it: ``job.state()``
 #: makes a new ``HostMesh`` object each time, and a warm mesh is kept for the same hosts only
 #: (``MeshKey`` compares them by identity), so every ``Trainer`` would start new workers.
@@ -63,12 +68,14 @@ def host_mesh(hosts: Any, num_nodes: int, gpus_per_host: int, connect_timeout: f
         if not all(_on_this_machine(address) for address in addresses):
             reached_over_tcp(addresses)
         mesh = attach_to_workers(name=HOSTS_MESH, ca="trust_all_connections", workers=addresses)
+        if all(served_here(address) for address in addresses):
+            _LOCAL_MESHES[id(mesh)] = mesh
     elif callable(getattr(hosts, "state", None)):
         check_job(hosts, num_nodes, gpus_per_host)
         started_here = not hosts.active
         mesh = _job_host_mesh(hosts)
         if isinstance(hosts, ProcessJob):
-            _PROCESS_JOB_MESHES[id(mesh)] = mesh
+            _LOCAL_MESHES[id(mesh)] = mesh
         if started_here:
             # Started without a cached state, so no other process can attach to it: release its hosts
             # (a SLURM allocation, a ProcessJob's processes) when this process ends, after the warm
@@ -89,9 +96,41 @@ def host_mesh(hosts: Any, num_nodes: int, gpus_per_host: int, connect_timeout: f
 def runs_here(hosts: Optional[HostMesh]) -> bool:
     """Whether the processes of ``hosts`` run on this machine with this interpreter, so that this
     process's fork server can fork their CPU workers (``controller.mesh.forkserver``): this host
-    (``None``), or the hosts of a ``ProcessJob``. Hosts at addresses may be other machines, with
-    interpreters of their own, and start their workers with Monarch's bootstrap."""
-    return hosts is None or _PROCESS_JOB_MESHES.get(id(hosts)) is hosts
+    (``None``), the hosts of a ``ProcessJob``, or worker addresses that :func:`served_here`. Other
+    hosts may be other machines, with interpreters of their own, and start their workers with
+    Monarch's bootstrap."""
+    return hosts is None or _LOCAL_MESHES.get(id(hosts)) is hosts
+
+
+def served_here(address: str) -> bool:
+    """Whether a process of this machine serves the worker address ``address`` (a TCP port of this
+    machine) as this one would start it: with this interpreter, in this process's namespaces (not
+    a container's or another PID namespace's, whose processes this machine's fork server could not
+    stand in for). Linux only: elsewhere, ``False``."""
+    location = _location(address)
+    if not sys.platform.startswith("linux") or location is None or location[0] != "tcp":
+        return False
+    if not location[2].isdigit() or not _on_this_machine(address):
+        return False
+    try:
+        listening = {
+            connection.pid
+            for connection in psutil.net_connections("tcp")
+            if connection.status == psutil.CONN_LISTEN
+            and connection.laddr
+            and connection.laddr.port == int(location[2])
+        }
+        return any(pid is not None and _runs_like_this_process(pid) for pid in listening)
+    except (psutil.Error, OSError):  # not ours to read, or ended
+        return False
+
+
+def _runs_like_this_process(pid: int) -> bool:
+    """Whether process ``pid`` runs this interpreter in this process's namespaces."""
+    if any(os.readlink(f"/proc/{pid}/ns/{name}") != os.readlink(f"/proc/self/ns/{name}") for name in _NAMESPACES):
+        return False
+    command = psutil.Process(pid).cmdline()
+    return bool(command) and command[0] == sys.executable
 
 
 def worker_addresses(hosts: Any) -> Optional[list[str]]:
