@@ -19,18 +19,19 @@ from typing import Any, Optional
 
 import torch
 
-#: The tier: module, library, field, the Lightning namespace the library uses.
-CLIENTS: dict[str, tuple[str, str, str]] = {
-    "gluonts": ("GluonTS", "time series", "lightning.pytorch"),
-    "pytorch_tabular": ("pytorch-tabular", "tabular data", "pytorch_lightning"),
-    "chemprop": ("chemprop", "molecules", "lightning.pytorch"),
-    "scvi": ("scvi-tools", "single-cell biology", "lightning.pytorch"),
-    "pyg": ("PyTorch Geometric", "graphs", "lightning.pytorch"),
-    "darts": ("darts", "forecasting", "pytorch_lightning"),
-    "finetuning_scheduler": ("finetuning-scheduler", "fine-tuning", "lightning.pytorch"),
-    "pina": ("PINA", "physics-informed learning", "lightning.pytorch"),
-    "torchsurv": ("TorchSurv", "survival analysis", "lightning.pytorch"),
-    "monai": ("MONAI", "medical imaging", "lightning.pytorch"),
+#: The tier: module, library, the library's package (what its users import), field, the Lightning
+#: namespace the library uses.
+CLIENTS: dict[str, tuple[str, str, str, str]] = {
+    "gluonts": ("GluonTS", "gluonts.torch", "time series", "lightning.pytorch"),
+    "pytorch_tabular": ("pytorch-tabular", "pytorch_tabular", "tabular data", "pytorch_lightning"),
+    "chemprop": ("chemprop", "chemprop", "molecules", "lightning.pytorch"),
+    "scvi": ("scvi-tools", "scvi", "single-cell biology", "lightning.pytorch"),
+    "pyg": ("PyTorch Geometric", "torch_geometric", "graphs", "lightning.pytorch"),
+    "darts": ("darts", "darts", "forecasting", "pytorch_lightning"),
+    "finetuning_scheduler": ("finetuning-scheduler", "finetuning_scheduler", "fine-tuning", "lightning.pytorch"),
+    "pina": ("PINA", "pina", "physics-informed learning", "lightning.pytorch"),
+    "torchsurv": ("TorchSurv", "torchsurv", "survival analysis", "lightning.pytorch"),
+    "monai": ("MONAI", "monai", "medical imaging", "lightning.pytorch"),
 }
 
 
