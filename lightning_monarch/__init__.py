@@ -18,6 +18,8 @@ strategy names are registered: ``pytorch_lightning``'s as soon as it is imported
 """
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from lightning_monarch import namespaces  # noqa: F401 - makes lightning_monarch.pl importable
@@ -122,7 +124,19 @@ def _strategies() -> tuple[type, ...]:
     return MonarchStrategy, MonarchModelParallelStrategy, MonarchFSDPStrategy
 
 
-if not monarch_compat.launched_by_monarch():
+def _serving() -> bool:
+    """Whether this process runs ``lightning-monarch serve`` (``python -m lightning_monarch serve``
+    too): a worker host's main process, which only relays, and imports neither Lightning nor torch."""
+    command = sys.orig_argv[1:]  # the interpreter's options, then ``-m MODULE`` or the script, then its arguments
+    for index, argument in enumerate(command):
+        if argument == "-m":
+            return command[index + 1 : index + 3] == [__name__, "serve"]
+        if not argument.startswith("-"):
+            return os.path.basename(argument) == "lightning-monarch" and command[index + 1 : index + 2] == ["serve"]
+    return False
+
+
+if not (monarch_compat.launched_by_monarch() or _serving()):
     from lightning_monarch.controller.install import install
 
     install(_strategies)

@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import platform
-import re
 import socket
 import sys
 from collections.abc import Iterator
@@ -298,23 +297,6 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    """``lightning-monarch serve``: this machine serves as a worker host until the controller shuts it
-    down, or until the grace after SIGTERM is over (``lightning_monarch.host``)."""
-    if not re.match(r"[a-z]+://", args.address) and "@" not in args.address:
-        raise UsageError(
-            f"ADDRESS {args.address!r} is not a Monarch channel address: give the one that"
-            " `MonarchStrategy(hosts=[...])` names for this host, e.g. tcp://node-1:26600."
-        )
-    if not args.grace > 0:
-        raise UsageError(
-            f"--grace {args.grace:g}: give the seconds this host lives on after SIGTERM, more than 0"
-            " (at most what the scheduler or cloud allows between SIGTERM and the end)."
-        )
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    return host.serve(args.address, args.grace)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line: one subcommand per tool; ``preflight`` takes ``controller.features.preflight``'s options."""
     parser = argparse.ArgumentParser(prog=PROG, description="Tools for Lightning's strategy='monarch'.")
@@ -380,15 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(run=_convert)
 
     serve = commands.add_parser(
-        "serve",
-        help="serve as a worker host, SIGTERM as a preemption notice",
-        description="Serve as a worker host at ADDRESS, taking SIGTERM as a preemption notice for elastic training.",
+        "serve", help="serve as a worker host, SIGTERM as a preemption notice", description=host.DESCRIPTION
     )
-    serve.add_argument("address", help="where the controller connects, e.g. tcp://node-1:26600")
-    serve.add_argument(
-        "--grace", type=float, default=host.DEFAULT_GRACE_S, help="seconds the host lives on after SIGTERM"
-    )
-    serve.set_defaults(run=_serve)
+    host.add_arguments(serve)
     return parser
 
 

@@ -9,30 +9,40 @@ Kubernetes' ``terminationGracePeriodSeconds``, a cloud's shutdown notice). Monar
 process dies of it at once, and its worker processes with it, so the controller learns of the loss
 only then, and an elastic ``fit`` goes back to its last resume point. Served by :func:`serve`
 instead, the host process lives on for ``grace`` seconds and writes a notice file, whose path its
-worker processes inherit (``specs.NOTICE_VARIABLE``); they ignore SIGTERM themselves
+worker processes inherit (:data:`NOTICE_VARIABLE`); they ignore SIGTERM themselves
 (``worker.notices``). After the next optimizer step, the workers see the notice and wait, and an
 elastic ``fit`` goes on without this host from there (``controller.features.elastic``): no step is redone.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+import re
 import signal
+import sys
 import time
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from monarch.actor import start_worker_loop_forever
 
 from lightning_monarch.memory_files import MemoryFile
-from lightning_monarch.wire.specs import NOTICE_VARIABLE
 
 log = logging.getLogger(__name__)
 
+#: The environment variable that this host process gives its worker processes: the file it writes
+#: when it gets SIGTERM (``worker.notices`` reads it).
+NOTICE_VARIABLE = "LIGHTNING_MONARCH_NOTICE_FILE"
 #: How long a host lives on after SIGTERM by default: Kubernetes' default grace, GCP's spot notice.
 DEFAULT_GRACE_S = 30.0
 #: How often the main thread wakes: a Python signal handler runs only between its waits.
 _WAKE_S = 0.1
+#: The command that runs :func:`serve`, as its errors name it.
+COMMAND = "lightning-monarch serve"
+#: What the command does, for its ``--help``.
+DESCRIPTION = "Serve as a worker host at ADDRESS, taking SIGTERM as a preemption notice for elastic training."
 
 
 class NoticeFile:
@@ -77,3 +87,41 @@ def serve(address: str, grace: float) -> int:
         return 0
     finally:
         notice.remove()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the command's arguments to ``parser``: the ``lightning-monarch`` command line's
+    ``serve``, and the parser of :func:`main`."""
+    parser.add_argument("address", help="where the controller connects, e.g. tcp://node-1:26600")
+    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds the host lives on after SIGTERM")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """``lightning-monarch serve ADDRESS [--grace S]``: serve until the controller shuts this host
+    down, or until the grace after SIGTERM is over; exit code 2, with the fix, for bad input."""
+    problem = None
+    if not re.match(r"[a-z]+://", args.address) and "@" not in args.address:
+        problem = (
+            f"ADDRESS {args.address!r} is not a Monarch channel address: give the one that"
+            " `MonarchStrategy(hosts=[...])` names for this host, e.g. tcp://node-1:26600."
+        )
+    elif not args.grace > 0:
+        problem = (
+            f"--grace {args.grace:g}: give the seconds this host lives on after SIGTERM, more than 0"
+            " (at most what the scheduler or cloud allows between SIGTERM and the end)."
+        )
+    if problem is not None:
+        print(f"{COMMAND}: error: {problem}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    return serve(args.address, args.grace)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``lightning-monarch serve``, as the console script runs it (``lightning_monarch.__main__``):
+    without the rest of the command line, which imports torch and Lightning, for a process that
+    only relays (:func:`serve`)."""
+    parser = add_arguments(argparse.ArgumentParser(prog=COMMAND, description=DESCRIPTION))
+    return run(parser.parse_args(argv))

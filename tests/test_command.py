@@ -28,6 +28,7 @@ from lightning_monarch.benchmark.compare import Comparison
 from lightning_monarch.devices import VISIBILITY_VARS
 from lightning_monarch.wire.specs import versions
 from tests.conftest import ROOT
+from tests.served_hosts import ServedHost
 
 COMMAND = str(Path(sys.executable).parent / "lightning-monarch")
 MARKER = "LIGHTNING_MONARCH_TEST_COMMAND"
@@ -224,6 +225,19 @@ def test_the_comparison_reports_medians_and_their_ratio() -> None:
     assert summary["median_ms"] == {"monarch": 12.0, "ddp": 6.0}
     assert summary["throughput_ratio_monarch_over_ddp"] == 0.5
     assert "monarch/ddp throughput: 0.50 (monarch adds 6.0 ms per step)" in comparison.table()
+
+
+def test_serve_imports_no_torch() -> None:
+    """A worker host's main process only relays: ``lightning-monarch serve`` imports neither torch
+    nor Lightning (which imports torch), as its worker processes do (about 4 CPU-s and 400 MiB)."""
+    host = ServedHost(notices=True)
+    host.start()
+    try:
+        assert host.process is not None
+        mapped = [mapping.path for mapping in psutil.Process(host.process.pid).memory_maps()]
+        assert mapped and not [path for path in mapped if "libtorch" in path]
+    finally:
+        host.stop()
 
 
 @pytest.mark.parametrize(

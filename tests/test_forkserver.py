@@ -23,7 +23,7 @@ from lightning_monarch.controller.mesh import forkserver
 from lightning_monarch.controller.mesh.hosts import host_mesh
 from lightning_monarch.controller.mesh.output import WorkerOutput
 from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
-from lightning_monarch.wire.specs import NOTICE_VARIABLE
+from lightning_monarch.host import NOTICE_VARIABLE
 from lightning_monarch.worker.forkserver import NOT_READ_AT_IMPORT
 from tests.conftest import probe_workers
 from tests.served_hosts import process_job_host

@@ -36,11 +36,6 @@ def worker_backend(accelerator: str, chosen: Optional[str]) -> str:
     return chosen or ("nccl" if accelerator == "cuda" else "gloo")
 
 
-#: The environment variable that a host serving preemption notices (``lightning-monarch serve``)
-#: gives its worker processes: the file it writes when it gets SIGTERM.
-NOTICE_VARIABLE = "LIGHTNING_MONARCH_NOTICE_FILE"
-
-
 @dataclass(frozen=True)
 class ShardingSpec:
     """How the workers shard the module under ``MonarchModelParallelStrategy``: on a device mesh

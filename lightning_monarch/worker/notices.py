@@ -2,7 +2,7 @@
 
 Runs in each worker process. A host served by ``lightning-monarch serve`` (``lightning_monarch.host``)
 turns the SIGTERM it gets before it is taken away into a notice file, whose path its worker
-processes inherit (``specs.NOTICE_VARIABLE``). A worker process of such a host ignores SIGTERM
+processes inherit (``host.NOTICE_VARIABLE``). A worker process of such a host ignores SIGTERM
 itself, so that it lives on with its host process, and after each optimizer step of an elastic
 ``fit`` every worker asks, in one collective, whether any host has a notice (:func:`any_host_noticed`):
 where one has, all of them park at that same step's end, and the controller goes on without the
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.wire.specs import NOTICE_VARIABLE
+from lightning_monarch.host import NOTICE_VARIABLE
 
 #: ``SIG_IGN`` in C.
 _SIG_IGN = ctypes.c_void_p(1)
