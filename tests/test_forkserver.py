@@ -48,10 +48,11 @@ def _spawned(**kwargs: Any) -> WorkerMesh:
     return WorkerMesh.spawn(2, **kwargs)
 
 
-def test_a_served_hosts_notice_file_lets_its_workers_be_forked() -> None:
+def test_variables_no_import_reads_keep_the_fork_server() -> None:
     """The workers of a host served by ``lightning-monarch serve`` on this machine take its notice
-    file's variable, which no import reads: the fork server forks them all the same."""
-    assert NOTICE_VARIABLE in NOT_READ_AT_IMPORT
+    file's variable, and a ``Trainer(deterministic=True)`` sets cuBLAS's workspace setting in the
+    controller: no import reads either, so the fork server forks workers all the same."""
+    assert {NOTICE_VARIABLE, "CUBLAS_WORKSPACE_CONFIG"} <= NOT_READ_AT_IMPORT
 
 
 def test_cpu_workers_are_forked_and_start_as_monarchs_own_would() -> None:

@@ -47,12 +47,15 @@ BOOTSTRAP_MODULE = "monarch._src.actor.bootstrap_main"
 #: channel of a process's log forwarder, where a mesh forwards its output: ``WorkerOutput``),
 #: pytest's name of the running test, those Lightning's ``seed_everything`` sets (which Lightning
 #: reads only when it seeds), the notice file of a host served by ``lightning-monarch serve``
-#: (``host.NOTICE_VARIABLE``, read by a worker only when it looks for a notice), and the
-#: terminal's size, which GNU readline exports when a controller initializes it (through the C
-#: library, so ``os.environ`` and the processes started from it do not have them, while Monarch's do).
+#: (``host.NOTICE_VARIABLE``, read by a worker only when it looks for a notice), cuBLAS's workspace
+#: setting, which Lightning's ``Trainer(deterministic=True)`` sets (read by cuBLAS when a GPU
+#: process makes its handle; a forked worker runs on the CPU), and the terminal's size, which GNU
+#: readline exports when a controller initializes it (through the C library, so ``os.environ`` and
+#: the processes started from it do not have them, while Monarch's do).
 NOT_READ_AT_IMPORT = frozenset(
     {
         "COLUMNS",
+        "CUBLAS_WORKSPACE_CONFIG",
         "LINES",
         "BOOTSTRAP_LOG_CHANNEL",
         "HYPERACTOR_MESH_BOOTSTRAP_MODE",
