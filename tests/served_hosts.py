@@ -17,7 +17,7 @@ from typing import Optional
 
 import psutil
 
-from lightning_monarch.controller.mesh.forkserver import SCRIPT, is_worker_process
+from lightning_monarch.controller.mesh.forkserver import is_start_process, is_worker_process
 from lightning_monarch.controller.mesh.hosts import reachable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,10 +220,8 @@ def _descendants(process: psutil.Process) -> list[psutil.Process]:
 
 
 def _is_start(process: psutil.Process) -> bool:
-    """Whether ``process`` is a fork server's ``start`` process (``worker/forkserver.py``)."""
     with suppress(psutil.Error):
-        command = process.cmdline()
-        return SCRIPT in command and command[command.index(SCRIPT) + 1 :][:1] == ["start"]
+        return is_start_process(process)
     return False
 
 

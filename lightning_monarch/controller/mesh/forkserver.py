@@ -172,10 +172,22 @@ def is_worker_process(process: psutil.Process) -> bool:
     command = process.cmdline()
     if any(worker_forkserver.BOOTSTRAP_MODULE in part for part in command):
         return True
-    if SCRIPT not in command or command[command.index(SCRIPT) + 1] == "start":
+    if _role(command) in (None, "start"):
         return False
     parent = process.parent()
     return parent is not None and SCRIPT in parent.cmdline()
+
+
+def is_start_process(process: psutil.Process) -> bool:
+    """Whether ``process`` is a ``start`` process: what Monarch launched for a forked worker, which
+    hands the worker its standard streams. Raises what ``psutil`` raises for a process that ended."""
+    return _role(process.cmdline()) == "start"
+
+
+def _role(command: Sequence[str]) -> Optional[str]:
+    """The fork server script's role in the command line ``command`` (``serve`` or ``start``;
+    ``serve`` too in a worker it forked, which keeps the server's); ``None`` if it runs no such script."""
+    return command[command.index(SCRIPT) + 1] if SCRIPT in command else None
 
 
 def fork_server_pids(package: Optional[str] = None) -> list[int]:

@@ -68,7 +68,7 @@ def host_mesh(hosts: Any, num_nodes: int, gpus_per_host: int, connect_timeout: f
         if not all(_on_this_machine(address) for address in addresses):
             reached_over_tcp(addresses)
         mesh = attach_to_workers(name=HOSTS_MESH, ca="trust_all_connections", workers=addresses)
-        if all(served_here(address) for address in addresses):
+        if served_here(addresses):
             _LOCAL_MESHES[id(mesh)] = mesh
     elif callable(getattr(hosts, "state", None)):
         check_job(hosts, num_nodes, gpus_per_host)
@@ -96,31 +96,31 @@ def host_mesh(hosts: Any, num_nodes: int, gpus_per_host: int, connect_timeout: f
 def runs_here(hosts: Optional[HostMesh]) -> bool:
     """Whether the processes of ``hosts`` run on this machine with this interpreter, so that this
     process's fork server can fork their CPU workers (``controller.mesh.forkserver``): this host
-    (``None``), the hosts of a ``ProcessJob``, or worker addresses that :func:`served_here`. Other
+    (``None``), the hosts of a ``ProcessJob``, or worker addresses that are :func:`served_here`. Other
     hosts may be other machines, with interpreters of their own, and start their workers with
     Monarch's bootstrap."""
     return hosts is None or _LOCAL_MESHES.get(id(hosts)) is hosts
 
 
-def served_here(address: str) -> bool:
-    """Whether a process of this machine serves the worker address ``address`` (a TCP port of this
-    machine) as this one would start it: with this interpreter, in this process's namespaces (not
-    a container's or another PID namespace's, whose processes this machine's fork server could not
-    stand in for). Linux only: elsewhere, ``False``."""
-    location = _location(address)
-    if not sys.platform.startswith("linux") or location is None or location[0] != "tcp":
+def served_here(addresses: Sequence[str]) -> bool:
+    """Whether processes of this machine serve every worker address of ``addresses`` (TCP ports of
+    this machine) as this one would start them: with this interpreter, in this process's namespaces
+    (not a container's or another PID namespace's, whose processes this machine's fork server could
+    not stand in for). Linux only: elsewhere, ``False``."""
+    if not sys.platform.startswith("linux"):
         return False
-    if not location[2].isdigit() or not _on_this_machine(address):
-        return False
+    ports = []
+    for address in addresses:
+        location = _location(address)
+        if location is None or location[0] != "tcp" or not location[2].isdigit() or not _on_this_machine(address):
+            return False
+        ports.append(int(location[2]))
     try:
-        listening = {
-            connection.pid
-            for connection in psutil.net_connections("tcp")
-            if connection.status == psutil.CONN_LISTEN
-            and connection.laddr
-            and connection.laddr.port == int(location[2])
-        }
-        return any(pid is not None and _runs_like_this_process(pid) for pid in listening)
+        listening: dict[int, set[int]] = {}
+        for connection in psutil.net_connections("tcp"):
+            if connection.status == psutil.CONN_LISTEN and connection.laddr and connection.pid is not None:
+                listening.setdefault(connection.laddr.port, set()).add(connection.pid)
+        return all(any(_runs_like_this_process(pid) for pid in listening.get(port, ())) for port in ports)
     except (psutil.Error, OSError):  # not ours to read, or ended
         return False
 
