@@ -542,3 +542,49 @@ class NumpyStatsClassifier(Classifier):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         return super().training_step((x, torch.from_numpy(self.table[y.numpy()])), batch_idx)
+
+
+#: ``torch.get_float32_matmul_precision()``'s values, as numbers a metric can hold.
+MATMUL_PRECISIONS = {"highest": 0.0, "high": 1.0, "medium": 2.0}
+
+
+class SettingsReadingClassifier(Classifier):
+    """Logs torch's settings as its ``training_step`` reads them: the float32 matmul precision and
+    whether deterministic algorithms are on (and only warn), which the script set on each rank."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.log("matmul_precision", MATMUL_PRECISIONS[torch.get_float32_matmul_precision()])
+        self.log("deterministic", float(torch.are_deterministic_algorithms_enabled()))
+        self.log("deterministic_warn_only", float(torch.is_deterministic_algorithms_warn_only_enabled()))
+        return super().training_step(batch, batch_idx)
+
+
+class RowsData(Dataset):
+    """300 rows, each its own tensor, as a dataset of separately loaded samples holds them: a
+    DataLoader's processes started by ``forkserver`` would be sent one file descriptor per row."""
+
+    def __init__(self, size: int = 300) -> None:
+        data = ClassificationData(size)
+        self.rows = [(x.clone(), y.clone()) for x, y in data]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.rows[index]
+
+
+class LoaderProcessesClassifier(Classifier):
+    """Loads its batches in 2 persistent DataLoader processes per rank, from a :class:`RowsData`."""
+
+    def _loader(self, size: int, shuffle: bool) -> DataLoader:
+        return DataLoader(RowsData(), batch_size=50, shuffle=shuffle, num_workers=2, persistent_workers=True)
+
+
+class ScaledClassifier(Classifier):
+    """Scales its logits by a class attribute, which a script may change after import."""
+
+    scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale

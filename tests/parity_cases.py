@@ -45,6 +45,7 @@ from lightning_monarch import (
     observe_only,
     on_workers,
     stop_meshes,
+    torch_settings,
 )
 from lightning_monarch.strategy import DEFAULT_MAX_AHEAD
 from tests import compat_models as compat
@@ -232,6 +233,13 @@ CASES: dict[str, Callable[[Path], Case]] = {
         stages=("fit", "predict"),
         callbacks=[compat.RankPredictionWriter(str(out / "predictions"))],
     ),
+    # issue 73: what the script sets for its process holds on every worker, as on every ddp rank
+    "script_default_dtype": lambda out: _script_sets(lambda: torch.set_default_dtype(torch.float64), models.Classifier),
+    "script_precision": lambda out: _script_sets(_precise_and_deterministic, compat.SettingsReadingClassifier),
+    "script_class_attribute": lambda out: _script_sets(
+        lambda: setattr(compat.ScaledClassifier, "scale", 0.5), compat.ScaledClassifier
+    ),
+    "loader_processes": lambda out: Case(compat.LoaderProcessesClassifier()),
 }
 
 
@@ -351,6 +359,19 @@ SHARDED_CASES: dict[str, Callable[[Path], Case]] = {
 }
 
 
+def _script_sets(settings: Callable[[], Any], model: Callable[[], L.LightningModule]) -> Case:
+    """A script that makes process-wide ``settings`` before it builds its ``model`` (nequip's
+    ``set_global_state`` sets the default dtype so, PINA's data module changes a class's
+    conditions); ``run_case`` puts them back after the run."""
+    settings()
+    return Case(model())
+
+
+def _precise_and_deterministic() -> None:
+    torch.set_float32_matmul_precision("medium")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def _tracing(path: Path) -> models.TracingClassifier:
     model = models.TracingClassifier()
     model.trace_path = str(path)
@@ -405,6 +426,15 @@ def run_case(
     Returns ``None`` on the non-zero ranks of ``ddp``.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
+    settings, scale = torch_settings.read(), compat.ScaledClassifier.scale
+    try:
+        return _run_case(name, strategy, out_dir, max_ahead)
+    finally:  # the script's settings end with it (the suite runs on)
+        torch_settings.apply(settings)
+        compat.ScaledClassifier.scale = scale
+
+
+def _run_case(name: str, strategy: str, out_dir: Path, max_ahead: Optional[int]) -> Optional[dict[str, Any]]:
     L.seed_everything(SEED)
     case = {**CASES, **FAILING_CASES, **HOST_CASES, **SHARDED_CASES}[name](out_dir)
     case.defaults = name in WITH_LIGHTNINGS_DEFAULTS

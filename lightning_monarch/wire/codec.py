@@ -85,14 +85,16 @@ def _raw(data: Union[torch.Tensor, torch.UntypedStorage]) -> Any:
 class Parcel:
     """Objects pickled with their large storages out of band: ``data`` is the pickle, ``keys`` name
     the storages it leaves out, in the order :func:`open_parcel` takes them. Where it was packed,
-    ``sources`` are their bytes (views of the packed objects' memory, never pickled)."""
+    ``sources`` are their bytes (views of the packed objects' memory, never pickled). ``parts``:
+    how many pickles ``data`` holds, one after the other, sharing one memo (:func:`pack`'s ``then``)."""
 
     data: bytes
     keys: tuple[StorageKey, ...] = ()
     sources: tuple[Source, ...] = field(default=(), compare=False, repr=False)
+    parts: int = 1
 
     def __reduce__(self) -> Any:
-        return Parcel, (self.data, self.keys)
+        return Parcel, (self.data, self.keys, (), self.parts)
 
     @property
     def nbytes(self) -> int:
@@ -132,11 +134,14 @@ def decode(data: bytes) -> Any:
 
 
 def pack(
-    value: Any, pickler: Callable[..., pickle.Pickler] = lambda *args, **kwargs: _Pickler(*args, **kwargs)
+    value: Any,
+    pickler: Callable[..., pickle.Pickler] = lambda *args, **kwargs: _Pickler(*args, **kwargs),
+    then: Optional[Callable[[], Any]] = None,
 ) -> Parcel:
     """``value`` as a :class:`Parcel`, with the bytes of the storages it leaves out as its sources.
     ``pickler`` makes the pickler (with :class:`TensorPickling`), given the file, the protocol
-    and the ``buffer_callback``."""
+    and the ``buffer_callback``. ``then`` gives a second value once ``value`` is pickled (what the
+    pickler saw decides it), pickled after it with the same memo: what the two share stays shared."""
     sources: list[Source] = []
     instance: Any = None
 
@@ -154,10 +159,13 @@ def pack(
     instance = pickler(file, protocol=5, buffer_callback=out_of_band)
     instance.bytes_out_of_band = True
     instance.dump(value)
+    if then is not None:
+        instance.dump(then())
     # the memo holds the storages' buffers: let them go now, not when the garbage collector breaks
     # the pickler's cycles, which would find the memoryviews under those buffers still exported
     instance.clear_memo()
-    return Parcel(file.getvalue(), tuple(storage_key(source) for source in sources), tuple(sources))
+    keys = tuple(storage_key(source) for source in sources)
+    return Parcel(file.getvalue(), keys, tuple(sources), parts=1 if then is None else 2)
 
 
 def _foreign_source(raw: memoryview) -> torch.Tensor:
@@ -171,9 +179,11 @@ def _foreign_source(raw: memoryview) -> torch.Tensor:
 
 
 def open_parcel(parcel: Parcel, storages: Sequence[torch.UntypedStorage]) -> Any:
-    """The value packed in ``parcel``, with ``storages`` (one per key, in order) as its out-of-band
-    storages: its tensors are views of them."""
-    return _Unpickler(io.BytesIO(parcel.data), storages).load()
+    """The value packed in ``parcel`` (a tuple of its parts where it has more than one), with
+    ``storages`` (one per key, in order) as its out-of-band storages: its tensors are views of them."""
+    unpickler = _Unpickler(io.BytesIO(parcel.data), storages)
+    parts = tuple(unpickler.load() for _ in range(parcel.parts))
+    return parts[0] if parcel.parts == 1 else parts
 
 
 def open_where_packed(parcel: Parcel) -> Any:

@@ -153,7 +153,8 @@ class StageSpec:
     ``fit_loop_state`` is the controller's ``trainer.fit_loop.state_dict()``: a Trainer that ran
     ``fit`` before carries its epoch and step into later stages, and so must each worker's.
     ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks, trainer)``
-    (``trainer`` a :class:`TrainerSubclass` or ``None``), a
+    (``trainer`` a :class:`TrainerSubclass` or ``None``), followed by the data attributes of the
+    classes they refer to by reference (``controller.mesh.class_attributes``), a
     ``codec.Parcel``: it is pickled once on the controller (where a failure is reported before any
     worker starts), and every worker gets its pickle, while its large storages (the weights) leave
     the controller at most once, as ``shipment`` says, and not at all where the workers hold them
@@ -195,6 +196,12 @@ class StageSpec:
     torch_rng: Optional[TorchRngStart] = None
     #: Client libraries' settings that the user's script made (``library_settings``).
     library_settings: dict[tuple[str, str, str], Any] = field(default_factory=dict)
+    #: torch's process-wide settings that the user's script changed (``torch_settings``).
+    torch_settings: dict[str, Any] = field(default_factory=dict)
+    #: The controller's multiprocessing start method, ``None`` where the script set none: the
+    #: workers' DataLoaders start their processes as a ddp rank's would, not as Monarch's bootstrap
+    #: set (``forkserver``).
+    start_method: Optional[str] = None
     #: A ``fit`` with asynchronous validation (``MonarchStrategy(validation="async")``): on the
     #: training mesh, the validation workers (``worker.async_validation.HandOff``); on the
     #: validation mesh, ``serves_validation``.

@@ -98,7 +98,9 @@ def _build(
     settings: StageSettings,
 ) -> StageLoop:
     """:func:`build_stage`, once the stage's settings are made; ``run`` undoes them."""
-    module, datamodule, loaders, worker_callbacks, subclass = open_parcel(spec.payload, storages.take(spec.payload))
+    objects, class_attributes = open_parcel(spec.payload, storages.take(spec.payload))
+    module, datamodule, loaders, worker_callbacks, subclass = objects
+    settings.make_class_attributes(class_attributes)
     name_files(module, datamodule, *worker_callbacks)
     settings.make_library_settings()  # scvi's seed setter seeds torch: before the next line
     if spec.torch_rng is not None and (first or spec.torch_rng.changed):
@@ -183,6 +185,7 @@ def _build(
 
     def run() -> Any:
         try:
+            settings.make_thread_settings()
             return stage()
         finally:
             if snapshot_file is not None:

@@ -3,8 +3,11 @@
 Runs in each worker process, around each stage (``worker.stage``). A stage quiets Lightning's info
 messages (the controller prints them), ignores one warning of Lightning's that does not apply to a
 worker, puts the user's script folder on ``sys.path`` (as torchrun would), sets the seed variables
-``seed_everything`` set on the controller, and makes the client libraries' settings the user's
-script made (``library_settings``). A warm worker runs the next stage, or the next user's Trainer
+``seed_everything`` set on the controller, makes torch's settings that the user's script changed
+(``torch_settings``) and the multiprocessing start method the controller has (Monarch's bootstrap
+set ``forkserver``, which a ddp rank's DataLoaders would not use), all before the stage's objects
+are unpickled, makes the class attributes the script changed (``worker.class_attributes``) as they
+are, and the client libraries' settings the user's script made (``library_settings``). A warm worker runs the next stage, or the next user's Trainer
 on the same mesh, in the same process: each of these is undone when the stage ends, so that no
 stage inherits another's.
 """
@@ -12,14 +15,16 @@ stage inherits another's.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import re
 import sys
 import warnings
 from typing import Any, Optional, cast
 
-from lightning_monarch import library_settings
+from lightning_monarch import library_settings, torch_settings
 from lightning_monarch.wire.specs import StageSpec
+from lightning_monarch.worker.class_attributes import CarriedAttributes
 
 #: Lightning's info messages ("Initializing distributed", "`Trainer.fit` stopped") are the
 #: controller's to print; a worker keeps warnings and errors only.
@@ -39,6 +44,10 @@ class StageSettings:
         self._paths: list[str] = []
         self._filter: Optional[tuple[Any, ...]] = None
         self._libraries: library_settings.Settings = {}
+        self._torch: torch_settings.Values = {}
+        self._torch_thread: torch_settings.Values = {}
+        self._classes = CarriedAttributes({})
+        self._start_method = multiprocessing.get_start_method(allow_none=True)
 
     def make(self) -> None:
         """Make the stage's settings but the libraries' (:meth:`make_library_settings`)."""
@@ -51,6 +60,18 @@ class StageSettings:
                 sys.path.insert(0, path)
                 self._paths.append(path)
         _set_environment(self._spec.env)
+        multiprocessing.set_start_method(self._spec.start_method, force=True)
+        self._torch = torch_settings.apply(torch_settings.split(self._spec.torch_settings)[0])
+
+    def make_thread_settings(self) -> None:
+        """Runs on the thread that runs the stage, as it starts: make torch's settings that are a
+        thread's (flush-denormal), which the thread that built the stage keeps as they were."""
+        self._torch_thread = torch_settings.apply(torch_settings.split(self._spec.torch_settings)[1])
+
+    def make_class_attributes(self, attributes: dict[type, dict[str, Any]]) -> None:
+        """Make the controller's class attributes that differ from this process's import
+        (``worker.class_attributes``): as the stage's objects are opened, before any hook runs."""
+        self._classes = CarriedAttributes(attributes)
 
     def make_library_settings(self) -> None:
         """Make the client libraries' settings: once the stage's objects are open, which imports
@@ -60,6 +81,10 @@ class StageSettings:
     def undo(self) -> None:
         """Leave the process as it was before :meth:`make`."""
         library_settings.apply(self._libraries)
+        self._classes.undo()
+        torch_settings.apply(self._torch_thread)  # its values from before include the process's made
+        torch_settings.apply(self._torch)
+        multiprocessing.set_start_method(self._start_method, force=True)
         _set_environment(self._environment)
         for path in self._paths:
             if path in sys.path:

@@ -9,9 +9,9 @@ What it exercises: a library Trainer subclass that builds its own datamodule; co
 class checks its arguments in ``__new__`` (PINA's ``InputEquationCondition``, which pickle writes
 but cannot read back by itself); inputs that are ``LabelTensor`` (a tensor subclass with labels);
 gradients of the network's output with respect to its inputs in ``training_step``
-(``inference_mode=False``, which PINA's Trainer sets). The problem class is defined where the
-run is, as the tutorial defines it in its notebook: it travels by value, with the conditions PINA
-moved the discretised points into.
+(``inference_mode=False``, which PINA's Trainer sets). The problem class is PINA's own, which the
+workers import: PINA's data module, built by its Trainer in the script, moves the discretised points
+into the class-level ``conditions``, which reach the workers with the stage (``class_attributes``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning import pytorch as pl
-from pina import Condition, Trainer
-from pina.domain import CartesianDomain
-from pina.equation import FixedValue
+from pina import Trainer
 from pina.model import FeedForward
 from pina.problem import SpatialProblem
 from pina.problem.zoo import Poisson2DSquareProblem
@@ -33,19 +31,9 @@ from tests.clients import quiet_trainer, results
 
 
 def _poisson() -> SpatialProblem:
-    """The tutorial's problem: PINA's Poisson equation and forcing term, written out as a user would."""
-    zoo = Poisson2DSquareProblem
-
-    class Poisson(SpatialProblem):
-        output_variables = ["u"]
-        spatial_domain = CartesianDomain({"x": [0, 1], "y": [0, 1]})
-        domains = {"D": spatial_domain, "boundary": spatial_domain.partial()}
-        conditions = {
-            "boundary": Condition(domain="boundary", equation=FixedValue(0.0)),
-            "D": Condition(domain="D", equation=zoo.conditions["D"].equation),
-        }
-
-    problem = Poisson()
+    """PINA's Poisson problem on the unit square, from its zoo, with its domains discretised on a
+    grid as the tutorial discretises them."""
+    problem = Poisson2DSquareProblem()
     problem.discretise_domain(n=12, mode="grid", domains="D")
     problem.discretise_domain(n=10, mode="grid", domains="boundary")
     return problem

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from lightning_monarch import torch_settings
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.features import preflight
 from lightning_monarch.controller.features.async_validation import ValidationMesh, refuse_at_fit, stops_early
@@ -52,6 +53,8 @@ class MonarchLauncher(lightning_compat.Launcher):
 
     def __init__(self, settings: StrategySettings, hooks: StrategyHooks) -> None:
         self.settings, self._hooks = settings, hooks
+        # which torch settings the script changed is told against a fresh process: read while the script goes on
+        torch_settings.FRESH.start()
 
     @property
     @override

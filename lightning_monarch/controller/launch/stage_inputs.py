@@ -12,6 +12,7 @@ pickled here, so that bad input is refused before a mesh is taken.
 from __future__ import annotations
 
 import inspect
+import multiprocessing
 import os
 import sys
 import uuid
@@ -23,7 +24,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_monarch import library_settings
+from lightning_monarch import library_settings, torch_settings
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.loop.mirrors import plan_loaders
 from lightning_monarch.controller.loop.plan import make_plan, states_can_travel
@@ -200,6 +201,8 @@ class StageInputs:
             env={name: os.environ.get(name) for name in _SEED_ENV},
             torch_rng=_TORCH_RNG.start(),
             library_settings=library_settings.read(),
+            torch_settings=torch_settings.changed(),
+            start_method=multiprocessing.get_start_method(allow_none=True),
             rehearsal=settings.rehearsing,
             post_mortem=settings.post_mortem,
             pdb_barrier=f"lightning_monarch/pdb/{uuid.uuid4().hex}" if debugger.takes_input() else None,

@@ -31,6 +31,7 @@ from lightning.pytorch import Trainer
 from torch import nn
 from typing_extensions import override
 
+from lightning_monarch.controller.mesh import class_attributes
 from lightning_monarch.wire.codec import (
     Parcel,
     TensorPickling,
@@ -52,6 +53,8 @@ class _ReferenceRecorder(TensorPickling, cloudpickle.Pickler):
     def __init__(self, file: io.BytesIO, **kwargs: Any) -> None:
         super().__init__(file, **{"protocol": pickle.HIGHEST_PROTOCOL, **kwargs})
         self.references: dict[str, str] = {}
+        #: The classes pickled by reference, in the order met.
+        self.classes: dict[type, None] = {}
 
     @override
     def reducer_override(self, obj: Any) -> Any:
@@ -68,12 +71,16 @@ class _ReferenceRecorder(TensorPickling, cloudpickle.Pickler):
             module = getattr(obj, "__module__", None)
             if module and module != "__main__":
                 self.references.setdefault(module, getattr(obj, "__qualname__", repr(obj)))
+                if isinstance(obj, type):
+                    self.classes[obj] = None
         return reduced
 
 
 def pack_for_workers(objects: dict[str, Any], script_dir: Optional[str]) -> Parcel:
     """Pickle ``objects`` (named by role, e.g. ``"LightningModule"``) for the workers, once, as a
-    parcel whose sources are views of their storages (no copy of the weights is made here).
+    parcel whose sources are views of their storages (no copy of the weights is made here). Its
+    second part is the data attributes of the classes they refer to by reference
+    (``controller.mesh.class_attributes``), for the workers to take where the script changed them.
 
     Raises ``TypeError`` naming the object that cannot be pickled or read back, or ``ImportError``
     naming the class the workers could not import.
@@ -85,7 +92,9 @@ def pack_for_workers(objects: dict[str, Any], script_dir: Optional[str]) -> Parc
         return picklers[-1]
 
     try:
-        parcel = pack(tuple(objects.values()), recorder)
+        parcel = pack(
+            tuple(objects.values()), recorder, then=lambda: class_attributes.gather(picklers[0].classes, travel_error)
+        )
     except Exception:
         for role, obj in objects.items():
             _raise_if_unpicklable(role, obj)
