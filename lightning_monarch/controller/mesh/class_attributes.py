@@ -36,11 +36,12 @@ def carried(cls: type) -> bool:
 
 def data_attributes(cls: type) -> dict[str, Any]:
     """``cls``'s own attributes that hold data: not its methods, properties or other descriptors,
-    nested classes and modules, nor Python's own (``__doc__``, the ABC caches)."""
+    nested classes and modules, nor Python's own (``__doc__``, the ABC caches, an ``Enum``'s
+    ``_sunder_`` lookup tables)."""
     return {
         name: value
         for name, value in vars(cls).items()
-        if not (name.startswith("__") and name.endswith("__"))
+        if not (name.startswith("_") and name.endswith("_"))
         and not name.startswith("_abc_")
         and not isinstance(value, (type, types.ModuleType))
         and not hasattr(type(value), "__get__")
