@@ -25,6 +25,7 @@ from benchmarks import (
     recovery,
     rehearsal,
     run,
+    script_state,
     sharded,
     stages,
     suite,
@@ -49,6 +50,7 @@ WRITERS: dict[str, ModuleType] = {
     "exits": exits,
     "namespace_import": namespace_import,
     "async_validation": async_validation,
+    "script_state": script_state,
 }
 
 

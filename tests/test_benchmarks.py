@@ -31,6 +31,7 @@ COMMITTED = (
     "exits",
     "namespace_import",
     "async_validation",
+    "script_state",
 )
 #: Those with a reference to draw beside monarch: ``ddp``, Lightning's own, no exit guard (``exits``)
 #: or ``pytorch_lightning`` without the mirror (``namespace_import``).
