@@ -14,6 +14,7 @@ by Lightning's ``ddp`` ranks through ``tests/clients/reference.py``.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,6 +34,8 @@ CLIENTS: dict[str, tuple[str, str, str, str]] = {
     "torchsurv": ("TorchSurv", "torchsurv", "survival analysis", "lightning.pytorch"),
     "monai": ("MONAI", "monai", "medical imaging", "lightning.pytorch"),
 }
+if sys.version_info >= (3, 11):  # matgl needs Python 3.11 (the ``clients`` extra installs it there only)
+    CLIENTS["matgl"] = ("matgl", "matgl", "materials", "lightning.pytorch")
 
 
 def quiet_trainer(strategy: str, out_dir: Path) -> dict[str, Any]:
