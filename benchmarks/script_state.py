@@ -4,8 +4,8 @@
 
 Issue 73: each stage, the controller reads torch's settings that the script changed
 (``torch_settings.changed``) and packs, after the stage's objects, the data attributes of the
-classes they refer to by reference (``controller.mesh.class_attributes.gather``); each worker
-compares those with its own import's (``worker.class_attributes.CarriedAttributes``). Measured in
+classes and modules they refer to by reference (``controller.mesh.imported_state.gather``); each
+worker compares those with its own import's (``worker.imported_state.CarriedState``). Measured in
 this process (the controller; a worker's comparison is timed here on the parcel opened as a worker
 opens it) for two payloads users send: the 400 MiB benchmark model, and a datamodule holding a text
 corpus (200,000 sentences and their vocabulary as Python objects, pickled in the payload) with a
@@ -33,16 +33,16 @@ from benchmarks.corpus import Corpus, CorpusData, CorpusModel
 from benchmarks.run import write_results
 from lightning_monarch import stop_meshes, torch_settings
 from lightning_monarch.benchmark.models import BenchModel
-from lightning_monarch.controller.mesh import class_attributes
+from lightning_monarch.controller.mesh import imported_state
 from lightning_monarch.controller.mesh.payload import _ReferenceRecorder, travel_error
-from lightning_monarch.worker.class_attributes import CarriedAttributes
+from lightning_monarch.worker.imported_state import CarriedState
 
 TARGET = 0.05
 #: (figure, what it times) for each part of the cost, in ms
 PARTS = (
     ("torch_settings_ms", "torch's settings read and compared (controller)"),
-    ("class_attributes_ms", "class attributes gathered and pickled (controller)"),
-    ("compare_ms", "class attributes unpickled and compared (each worker)"),
+    ("imported_state_ms", "classes' and modules' state gathered and pickled (controller)"),
+    ("compare_ms", "that state unpickled and compared (each worker)"),
 )
 
 
@@ -67,9 +67,9 @@ def measure(module: L.LightningModule, datamodule: Any) -> dict[str, float]:
     recorder = _ReferenceRecorder(io.BytesIO(), buffer_callback=lambda buffer: False)
     recorder.bytes_out_of_band = True
     recorder.dump(tuple(objects.values()))  # as the payload's packing meets its classes
-    gather_ms, attributes = _timed(lambda: class_attributes.gather(recorder.classes, travel_error))
-    pickle_ms, pickled = _timed(lambda: cloudpickle.dumps(attributes))  # at most: the payload's memo shares some
-    compare_ms, carried = _timed(lambda: CarriedAttributes(cloudpickle.loads(pickled)))
+    gather_ms, state = _timed(lambda: imported_state.gather(recorder.classes, recorder.references, travel_error))
+    pickle_ms, pickled = _timed(lambda: cloudpickle.dumps(state))  # at most: the payload's memo shares some
+    compare_ms, carried = _timed(lambda: CarriedState(cloudpickle.loads(pickled)))
     carried.undo()
     trainer = L.Trainer(
         strategy="monarch",
@@ -83,8 +83,8 @@ def measure(module: L.LightningModule, datamodule: Any) -> dict[str, float]:
     validate_ms, _ = _timed(lambda: trainer.validate(module, datamodule=datamodule, verbose=False))
     return {
         "torch_settings_ms": torch_ms,
-        "class_attributes_ms": gather_ms + pickle_ms,
-        "class_attributes": sum(len(values) for values in attributes.values()),
+        "imported_state_ms": gather_ms + pickle_ms,
+        "imported_values": sum(len(values) for values in [*state.attributes.values(), *state.settings.values()]),
         "compare_ms": compare_ms,
         "warm_validate_ms": validate_ms,
     }

@@ -588,3 +588,15 @@ class ScaledClassifier(Classifier):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) * self.scale
+
+
+#: A module-level setting, which a script may change after import (as ``mylib.config.X = ...``).
+LOGIT_SHIFT = 0.0
+
+
+class ShiftedClassifier(Classifier):
+    """Shifts its first logit by :data:`LOGIT_SHIFT`, read from its module at each step."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        return torch.cat([logits[:, :1] + LOGIT_SHIFT, logits[:, 1:]], dim=1)

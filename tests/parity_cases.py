@@ -239,6 +239,9 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "script_class_attribute": lambda out: _script_sets(
         lambda: setattr(compat.ScaledClassifier, "scale", 0.5), compat.ScaledClassifier
     ),
+    "script_module_setting": lambda out: _script_sets(
+        lambda: setattr(compat, "LOGIT_SHIFT", 0.5), compat.ShiftedClassifier
+    ),
     "loader_processes": lambda out: Case(compat.LoaderProcessesClassifier()),
 }
 
@@ -426,12 +429,12 @@ def run_case(
     Returns ``None`` on the non-zero ranks of ``ddp``.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings, scale = torch_settings.read(), compat.ScaledClassifier.scale
+    settings, scale, shift = torch_settings.read(), compat.ScaledClassifier.scale, compat.LOGIT_SHIFT
     try:
         return _run_case(name, strategy, out_dir, max_ahead)
     finally:  # the script's settings end with it (the suite runs on)
         torch_settings.apply(settings)
-        compat.ScaledClassifier.scale = scale
+        compat.ScaledClassifier.scale, compat.LOGIT_SHIFT = scale, shift
 
 
 def _run_case(name: str, strategy: str, out_dir: Path, max_ahead: Optional[int]) -> Optional[dict[str, Any]]:

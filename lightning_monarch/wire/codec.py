@@ -105,7 +105,7 @@ class Parcel:
         """This parcel with copies of its sources, which no later write to the packed objects
         changes (``bytes`` are copied by no one)."""
         copies = tuple(source if isinstance(source, bytes) else source.clone() for source in self.sources)
-        return Parcel(self.data, self.keys, copies)
+        return Parcel(self.data, self.keys, copies, self.parts)
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,20 @@ class TrainerSubclass:
 
 
 @dataclass(frozen=True)
+class ImportedState:
+    """What the user's script may have changed in the classes and modules a stage's objects refer to
+    by reference, as the controller has it (``controller.mesh.imported_state``): each worker takes
+    each value that differs from its own import's (``worker.imported_state``). Travels in the
+    stage's payload, after its objects, sharing their pickle's memo."""
+
+    #: Each class's data attributes, by the class; each module's public data, by the module's name.
+    attributes: dict[Union[type, str], dict[str, Any]]
+    #: The public settings (properties with a setter, public attributes) of each object a module
+    #: holds that is of a library's class (``scvi.settings``), by the module's name and the object's.
+    settings: dict[tuple[str, str], dict[str, Any]]
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The controller Trainer's flags that a worker's Trainer must share so both loops agree (R1)."""
 
@@ -153,8 +167,8 @@ class StageSpec:
     ``fit_loop_state`` is the controller's ``trainer.fit_loop.state_dict()``: a Trainer that ran
     ``fit`` before carries its epoch and step into later stages, and so must each worker's.
     ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks, trainer)``
-    (``trainer`` a :class:`TrainerSubclass` or ``None``), followed by the data attributes of the
-    classes they refer to by reference (``controller.mesh.class_attributes``), a
+    (``trainer`` a :class:`TrainerSubclass` or ``None``), followed by the :class:`ImportedState`
+    of the classes and modules they refer to by reference, a
     ``codec.Parcel``: it is pickled once on the controller (where a failure is reported before any
     worker starts), and every worker gets its pickle, while its large storages (the weights) leave
     the controller at most once, as ``shipment`` says, and not at all where the workers hold them
@@ -194,8 +208,6 @@ class StageSpec:
     shipment: Shipment = Shipment()
     #: The controller's torch generator as the stage starts (``TorchRngStart``).
     torch_rng: Optional[TorchRngStart] = None
-    #: Client libraries' settings that the user's script made (``library_settings``).
-    library_settings: dict[tuple[str, str, str], Any] = field(default_factory=dict)
     #: torch's process-wide settings that the user's script changed (``torch_settings``).
     torch_settings: dict[str, Any] = field(default_factory=dict)
     #: The controller's multiprocessing start method, ``None`` where the script set none: the

@@ -98,11 +98,10 @@ def _build(
     settings: StageSettings,
 ) -> StageLoop:
     """:func:`build_stage`, once the stage's settings are made; ``run`` undoes them."""
-    objects, class_attributes = open_parcel(spec.payload, storages.take(spec.payload))
+    objects, imported = open_parcel(spec.payload, storages.take(spec.payload))
     module, datamodule, loaders, worker_callbacks, subclass = objects
-    settings.make_class_attributes(class_attributes)
+    settings.make_imported_state(imported)  # scvi's seed setter seeds torch: before the next line
     name_files(module, datamodule, *worker_callbacks)
-    settings.make_library_settings()  # scvi's seed setter seeds torch: before the next line
     if spec.torch_rng is not None and (first or spec.torch_rng.changed):
         torch.set_rng_state(torch.frombuffer(bytearray(spec.torch_rng.state), dtype=torch.uint8))
 

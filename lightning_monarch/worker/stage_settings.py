@@ -6,8 +6,8 @@ worker, puts the user's script folder on ``sys.path`` (as torchrun would), sets 
 ``seed_everything`` set on the controller, makes torch's settings that the user's script changed
 (``torch_settings``) and the multiprocessing start method the controller has (Monarch's bootstrap
 set ``forkserver``, which a ddp rank's DataLoaders would not use), all before the stage's objects
-are unpickled, makes the class attributes the script changed (``worker.class_attributes``) as they
-are, and the client libraries' settings the user's script made (``library_settings``). A warm worker runs the next stage, or the next user's Trainer
+are unpickled, and what the script changed in the classes and modules the stage's objects refer to
+(``worker.imported_state``: PINA's class-level conditions, ``scvi.settings.seed``) as they are. A warm worker runs the next stage, or the next user's Trainer
 on the same mesh, in the same process: each of these is undone when the stage ends, so that no
 stage inherits another's.
 """
@@ -22,9 +22,9 @@ import sys
 import warnings
 from typing import Any, Optional, cast
 
-from lightning_monarch import library_settings, torch_settings
-from lightning_monarch.wire.specs import StageSpec
-from lightning_monarch.worker.class_attributes import CarriedAttributes
+from lightning_monarch import torch_settings
+from lightning_monarch.wire.specs import ImportedState, StageSpec
+from lightning_monarch.worker.imported_state import CarriedState
 
 #: Lightning's info messages ("Initializing distributed", "`Trainer.fit` stopped") are the
 #: controller's to print; a worker keeps warnings and errors only.
@@ -43,14 +43,14 @@ class StageSettings:
         self._environment = {name: os.environ.get(name) for name in spec.env}
         self._paths: list[str] = []
         self._filter: Optional[tuple[Any, ...]] = None
-        self._libraries: library_settings.Settings = {}
         self._torch: torch_settings.Values = {}
         self._torch_thread: torch_settings.Values = {}
-        self._classes = CarriedAttributes({})
+        self._imported = CarriedState(ImportedState({}, {}))
         self._start_method = multiprocessing.get_start_method(allow_none=True)
 
     def make(self) -> None:
-        """Make the stage's settings but the libraries' (:meth:`make_library_settings`)."""
+        """Make the stage's settings that hold before its objects are opened (the others:
+        :meth:`make_imported_state`, :meth:`make_thread_settings`)."""
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
         warnings.filterwarnings("ignore", message=re.escape(CALLBACKS_MISSING_WARNING))
@@ -68,20 +68,14 @@ class StageSettings:
         thread's (flush-denormal), which the thread that built the stage keeps as they were."""
         self._torch_thread = torch_settings.apply(torch_settings.split(self._spec.torch_settings)[1])
 
-    def make_class_attributes(self, attributes: dict[type, dict[str, Any]]) -> None:
-        """Make the controller's class attributes that differ from this process's import
-        (``worker.class_attributes``): as the stage's objects are opened, before any hook runs."""
-        self._classes = CarriedAttributes(attributes)
-
-    def make_library_settings(self) -> None:
-        """Make the client libraries' settings: once the stage's objects are open, which imports
-        the libraries they use."""
-        self._libraries = library_settings.apply(self._spec.library_settings)
+    def make_imported_state(self, state: ImportedState) -> None:
+        """Make what the script changed in the classes and modules the stage's objects refer to
+        (``worker.imported_state``): as the stage's objects are opened, before any hook runs."""
+        self._imported = CarriedState(state)
 
     def undo(self) -> None:
         """Leave the process as it was before :meth:`make`."""
-        library_settings.apply(self._libraries)
-        self._classes.undo()
+        self._imported.undo()
         torch_settings.apply(self._torch_thread)  # its values from before include the process's made
         torch_settings.apply(self._torch)
         multiprocessing.set_start_method(self._start_method, force=True)

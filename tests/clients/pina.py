@@ -11,7 +11,7 @@ but cannot read back by itself); inputs that are ``LabelTensor`` (a tensor subcl
 gradients of the network's output with respect to its inputs in ``training_step``
 (``inference_mode=False``, which PINA's Trainer sets). The problem class is PINA's own, which the
 workers import: PINA's data module, built by its Trainer in the script, moves the discretised points
-into the class-level ``conditions``, which reach the workers with the stage (``class_attributes``).
+into the class-level ``conditions``, which reach the workers with the stage (``imported_state``).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ whether to shard the data with its ``BatchDistributedSampler``: the ``ddp_monarc
 rank (each Monarch worker), splits train from validation with
 ``np.random.RandomState(scvi.settings.seed)``; the script sets ``scvi.settings.seed = 0`` as scvi's
 docs do, which under ``ddp`` every rank does by re-running it, and under ``monarch`` only the
-controller does. Guards ``lightning_monarch/library_settings.py``, which carries that setting to
-the workers (without it each worker splits at random), and the ``ddp_monarch`` names.
+controller does. Guards the carry of a library's settings object to the workers
+(``controller.mesh.imported_state``; without it each worker splits at random), and the
+``ddp_monarch`` names.
 
 Compares the module's weights, ``callback_metrics``, ``global_step`` and ``model.history`` (the
 logged metrics per epoch, as plain lists of floats).

@@ -24,7 +24,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_monarch import library_settings, torch_settings
+from lightning_monarch import torch_settings
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.loop.mirrors import plan_loaders
 from lightning_monarch.controller.loop.plan import make_plan, states_can_travel
@@ -200,7 +200,6 @@ class StageInputs:
             sys_path=(script_dir,) if script_dir else (),
             env={name: os.environ.get(name) for name in _SEED_ENV},
             torch_rng=_TORCH_RNG.start(),
-            library_settings=library_settings.read(),
             torch_settings=torch_settings.changed(),
             start_method=multiprocessing.get_start_method(allow_none=True),
             rehearsal=settings.rehearsing,

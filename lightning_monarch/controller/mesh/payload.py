@@ -31,7 +31,7 @@ from lightning.pytorch import Trainer
 from torch import nn
 from typing_extensions import override
 
-from lightning_monarch.controller.mesh import class_attributes
+from lightning_monarch.controller.mesh import imported_state
 from lightning_monarch.wire.codec import (
     Parcel,
     TensorPickling,
@@ -79,8 +79,8 @@ class _ReferenceRecorder(TensorPickling, cloudpickle.Pickler):
 def pack_for_workers(objects: dict[str, Any], script_dir: Optional[str]) -> Parcel:
     """Pickle ``objects`` (named by role, e.g. ``"LightningModule"``) for the workers, once, as a
     parcel whose sources are views of their storages (no copy of the weights is made here). Its
-    second part is the data attributes of the classes they refer to by reference
-    (``controller.mesh.class_attributes``), for the workers to take where the script changed them.
+    second part is the state of the classes and modules they refer to by reference
+    (``controller.mesh.imported_state``), for the workers to take where the script changed it.
 
     Raises ``TypeError`` naming the object that cannot be pickled or read back, or ``ImportError``
     naming the class the workers could not import.
@@ -93,7 +93,9 @@ def pack_for_workers(objects: dict[str, Any], script_dir: Optional[str]) -> Parc
 
     try:
         parcel = pack(
-            tuple(objects.values()), recorder, then=lambda: class_attributes.gather(picklers[0].classes, travel_error)
+            tuple(objects.values()),
+            recorder,
+            then=lambda: imported_state.gather(picklers[0].classes, picklers[0].references, travel_error),
         )
     except Exception:
         for role, obj in objects.items():

@@ -1,0 +1,71 @@
+"""What the user's script changed in imported classes and modules, made on a worker for a stage.
+
+Runs in each worker process, as a stage's objects are opened (``worker.stage``). Under ``ddp``
+every rank runs the script, so what it changes in an imported class or module (PINA moves a
+problem's discretised points into the class-level ``conditions``; ``scvi.settings.seed = 0``) holds
+on every rank. A worker imports them afresh as it unpickles the stage's objects; the controller packs
+their state after them, in the same pickle (``controller.mesh.imported_state``), so that what they
+share stays shared (a condition's ``problem`` is the stage's problem). Here each value that differs
+from this process's takes the controller's: a class's or module's attribute is replaced, and an
+object's setting is set as the script set it (through its property's setter, whose side effects run
+as they did there: scvi's seeds its generators). :meth:`CarriedState.undo` puts this process's values
+back when the stage ends, so that the next stage compares with the import's again.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from lightning_monarch.wire.specs import ImportedState
+
+#: An attribute that its holder did not have here.
+_MISSING = object()
+
+
+def _same(mine: Any, theirs: Any) -> bool:
+    """Whether two values hold the same data: they compare equal, or else pickle alike (a value
+    whose ``==`` is its identity, or gives no single truth, as an array's)."""
+    try:
+        if bool(mine == theirs):
+            return True
+    except Exception:
+        pass
+    try:
+        return cloudpickle.dumps(mine) == cloudpickle.dumps(theirs)
+    except Exception:
+        return False
+
+
+class CarriedState:
+    """The controller's imported state made in this process for one stage."""
+
+    def __init__(self, state: ImportedState) -> None:
+        self._replaced: list[tuple[Any, str, Any]] = []
+        for key, values in state.attributes.items():
+            holder = importlib.import_module(key) if isinstance(key, str) else key
+            self._take(holder, values, vars(holder).get)
+        for (module, name), values in state.settings.items():
+            settings = getattr(importlib.import_module(module), name)
+            self._take(settings, values, functools.partial(getattr, settings))
+
+    def _take(self, holder: Any, values: dict[str, Any], own: Callable[[str, Any], Any]) -> None:
+        """Set each of ``values`` on ``holder`` where ``own(name, _MISSING)``, this process's, differs."""
+        for name, value in values.items():
+            mine = own(name, _MISSING)
+            if mine is _MISSING or not _same(mine, value):
+                self._replaced.append((holder, name, mine))
+                setattr(holder, name, value)
+
+    def undo(self) -> None:
+        """Put this process's values back (remove an attribute its holder did not have here)."""
+        for holder, name, mine in reversed(self._replaced):
+            if mine is _MISSING:
+                delattr(holder, name)
+            else:
+                setattr(holder, name, mine)
+        self._replaced.clear()
