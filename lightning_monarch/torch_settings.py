@@ -22,7 +22,9 @@ This module imports only torch and the standard library, so that :class:`Fresh` 
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
 import pickle
 import subprocess
 import sys
@@ -163,11 +165,13 @@ def read() -> Values:
 
 class Fresh:
     """Runs on the controller: the settings of a fresh process on this host (this file run as a
-    script, with this interpreter and environment), read once, in the background from the first
-    :meth:`start`, so that the mesh starts meanwhile."""
+    script, with this interpreter and environment, finding torch where this process found it), read
+    once, in the background from the first :meth:`start`, so that the mesh starts meanwhile. That
+    process is killed at exit if it still runs (:meth:`stop`)."""
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
+        self._process: Optional[subprocess.Popen] = None
         self._values: Optional[Values] = None
         self._error: Optional[str] = None
 
@@ -190,19 +194,30 @@ class Fresh:
             )
         return self._values
 
+    def stop(self) -> None:
+        """Kill the reading process if it still runs."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
     def _read(self) -> None:
         # run as a script, with neither this folder nor the current one first on ``sys.path``
         script = "import runpy, sys; sys.path.pop(0); runpy.run_path(sys.argv[1], run_name='__main__')"
-        done = subprocess.run([sys.executable, "-c", script, __file__], capture_output=True, check=False)
-        if done.returncode == 0:
-            self._values = pickle.loads(done.stdout)
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", script, __file__], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment
+        )
+        out, err = self._process.communicate()
+        if self._process.returncode == 0:
+            self._values = pickle.loads(out)
         else:
-            lines = done.stderr.decode(errors="replace").strip().splitlines()
-            self._error = lines[-1] if lines else f"exit code {done.returncode}"
+            lines = err.decode(errors="replace").strip().splitlines()
+            self._error = lines[-1] if lines else f"exit code {self._process.returncode}"
 
 
 #: The controller's one reading of a fresh process.
 FRESH = Fresh()
+atexit.register(FRESH.stop)
 
 
 def changed() -> Values:

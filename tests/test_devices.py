@@ -37,7 +37,7 @@ from lightning_monarch.controller.mesh.worker_mesh import WorkerMesh
 from lightning_monarch.devices import pin
 from lightning_monarch.wire.codec import pack
 from lightning_monarch.wire.protocol import RunAhead
-from lightning_monarch.wire.specs import PreflightSpec, StageSpec, TrainerConfig, versions
+from lightning_monarch.wire.specs import ImportedState, PreflightSpec, StageSpec, TrainerConfig, versions
 from tests.models import Classifier
 from tests.served_hosts import ServedHost
 
@@ -211,7 +211,8 @@ def test_two_gpu_workers_get_past_stage_start() -> None:
     ``devices=2`` while it sees one GPU, in the environment its process really starts with."""
     spec = StageSpec(
         fn="fit",
-        payload=pack((Classifier(), None, {}, [OneVisibleGPU()], None)),
+        # as the controller packs a stage's objects, with nothing changed in what they import
+        payload=pack((Classifier(), None, {}, [OneVisibleGPU()], None), then=lambda: ImportedState({}, {})),
         ckpt_path=None,
         weights_only=None,
         fit_loop_state=L.Trainer(logger=False).fit_loop.state_dict(),

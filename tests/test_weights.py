@@ -88,7 +88,9 @@ def test_the_first_stage_sends_the_weights_once_and_a_warm_one_none(
     assert sent["shared memory" if shared_memory else "receive_storages"] >= 0.99 * size
 
     trainer.validate(model, verbose=False)
-    assert _sent(trainer) < 0.01 * size, trainer.strategy.sent_bytes
+    # no weights: each worker's spec only (about 10 KB: the stage's pickle without its storages, and
+    # the state of the classes and modules it refers to), about 1 % of this 4 MiB model in all
+    assert _sent(trainer) < 0.02 * size, trainer.strategy.sent_bytes
     _assert_every_rank_started_with(model, devices)
 
 

@@ -10,9 +10,10 @@ stays shared), an :class:`~lightning_monarch.wire.specs.ImportedState` of:
 
 - each class it pickles by reference: its data attributes (:func:`data_attributes`);
 - the module of each class and function it pickles by reference, and the packages above it: their
-  public data (not the callables they hold: code), and the public settings of each object of a
-  library's class they hold (:func:`public_settings`: its properties that have a setter, and its
-  public attributes).
+  public data of Python's own types (numbers, strings, containers: not the callables they hold,
+  which are code, nor the objects of other libraries' classes, a logging ``Formatter``), and the
+  public settings of each object of a library's class they hold (:func:`public_settings`: its
+  properties that have a setter, and its public attributes).
 
 Each worker takes each value that differs from its own import's (``worker.imported_state``).
 
@@ -109,7 +110,7 @@ def gather(classes: Iterable[type], modules: Iterable[str], travel_error: Callab
             if hasattr(value, "__dict__") and _library_class(type(value)):
                 if found := travelling(public_settings(value)):
                     settings[(module, name)] = found
-            else:
+            elif type(value).__module__ == "builtins":
                 data[name] = value
         if values := travelling(data):
             attributes[module] = values
