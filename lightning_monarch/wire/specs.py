@@ -97,6 +97,14 @@ class ImportedState:
     #: The public settings (properties with a setter, public attributes) of each object a module
     #: holds that is of a library's class (``scvi.settings``), by the module's name and the object's.
     settings: dict[tuple[str, str], dict[str, Any]]
+    #: The data attributes that cannot be pickled, as the class or module of :attr:`attributes`
+    #: holds them: their type's ``module.qualname`` and why, by name.
+    untravelled: dict[Union[type, str], dict[str, tuple[str, str]]] = field(default_factory=dict)
+
+
+def type_name(cls: type) -> str:
+    """``cls`` as ``module.qualname``: how both sides name a value's type (:class:`ImportedState`)."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ share stays shared (a condition's ``problem`` is the stage's problem). Here each
 from this process's takes the controller's: a class's or module's attribute is replaced, and an
 object's setting is set as the script set it (through its property's setter, whose side effects run
 as they did there: scvi's seeds its generators). :meth:`CarriedState.undo` puts this process's values
-back when the stage ends, so that the next stage compares with the import's again.
+back when the stage ends, so that the next stage compares with the import's again. A value that
+could not be pickled is refused where this process holds another type there (the script set it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import cloudpickle
 
-from lightning_monarch.wire.specs import ImportedState
+from lightning_monarch.wire.specs import ImportedState, type_name
 
 #: An attribute that its holder did not have here.
 _MISSING = object()
@@ -52,6 +53,20 @@ class CarriedState:
         for (module, name), values in state.settings.items():
             settings = getattr(importlib.import_module(module), name)
             self._take(settings, values, functools.partial(getattr, settings))
+        for key, untravelled in state.untravelled.items():
+            holder = importlib.import_module(key) if isinstance(key, str) else key
+            for name, (theirs, why) in untravelled.items():
+                mine = vars(holder).get(name, _MISSING)
+                if mine is _MISSING or type_name(type(mine)) != theirs:
+                    self.undo()
+                    where = key if isinstance(key, str) else type_name(key)
+                    raise TypeError(
+                        f"The script set `{where}.{name}` on the controller to a `{theirs}`, which cannot be pickled"
+                        f" ({why}), so the workers cannot take it; their import holds"
+                        f" {'nothing' if mine is _MISSING else 'a `' + type_name(type(mine)) + '`'} there. Under ddp"
+                        " every rank's script would have set it. Set it in a hook that runs on the workers (the"
+                        " module's or datamodule's `setup`), or give it a value that can be pickled."
+                    )
 
     def _take(self, holder: Any, values: dict[str, Any], own: Callable[[str, Any], Any]) -> None:
         """Set each of ``values`` on ``holder`` where ``own(name, _MISSING)``, this process's, differs."""

@@ -19,8 +19,9 @@ Each worker takes each value that differs from its own import's (``worker.import
 
 Not carried: what the standard library, torch (whose process-wide state ``torch_settings``
 carries), Monarch and this package define; classes written in C, whose attributes a script cannot
-change; a module's private names (``_cache``: a library's own bookkeeping); and a value that cannot
-be pickled (a lock, an open file), which the workers keep as their import made it.
+change; a module's private names (``_cache``: a library's own bookkeeping). A value that cannot be
+pickled (a lock, an open file) cannot travel: its type does, and a worker whose import holds another
+type there refuses the stage, naming it (the script set it); one of the same type keeps its own.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import types
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
-from lightning_monarch.wire.specs import ImportedState
+from lightning_monarch.wire.specs import ImportedState, type_name
 
 #: The top-level packages whose classes and modules stay as the workers import them.
 NOT_CARRIED = frozenset(sys.stdlib_module_names) | {"builtins", "torch", "monarch", "lightning_monarch"}
@@ -94,13 +95,22 @@ def gather(classes: Iterable[type], modules: Iterable[str], travel_error: Callab
     """The state of ``classes`` and of the ``modules`` (by name) that the payload refers to, and of
     the packages above them; a value for which ``travel_error`` gives an error is left out."""
 
-    def travelling(values: dict[str, Any]) -> dict[str, Any]:
-        return {name: value for name, value in values.items() if travel_error(value) is None}
+    untravelled: dict[Union[type, str], dict[str, tuple[str, str]]] = {}
+
+    def travelling(values: dict[str, Any], holder: Union[type, str, None] = None) -> dict[str, Any]:
+        travel = {}
+        for name, value in values.items():
+            error = travel_error(value)
+            if error is None:
+                travel[name] = value
+            elif holder is not None:
+                untravelled.setdefault(holder, {})[name] = (type_name(type(value)), f"{type(error).__name__}: {error}")
+        return travel
 
     attributes: dict[Union[type, str], dict[str, Any]] = {}
     settings: dict[tuple[str, str], dict[str, Any]] = {}
     for cls in classes:
-        if _library_class(cls) and (values := travelling(data_attributes(cls))):
+        if _library_class(cls) and (values := travelling(data_attributes(cls), cls)):
             attributes[cls] = values
     for module in _modules(modules):
         data = {}
@@ -112,6 +122,6 @@ def gather(classes: Iterable[type], modules: Iterable[str], travel_error: Callab
                     settings[(module, name)] = found
             elif type(value).__module__ == "builtins":
                 data[name] = value
-        if values := travelling(data):
+        if values := travelling(data, module):
             attributes[module] = values
-    return ImportedState(attributes, settings)
+    return ImportedState(attributes, settings, untravelled)

@@ -1,0 +1,71 @@
+"""What the script changed in the classes and modules a stage refers to reaches the workers
+(``controller.mesh.imported_state``, ``worker.imported_state``); the parity cases
+``script_class_attribute`` and ``script_module_setting``, PINA's and scvi-tools' runs in the client
+tier compare whole runs with ``ddp``."""
+
+from __future__ import annotations
+
+import threading
+
+import lightning as L
+import pytest
+
+from lightning_monarch import WorkerError
+from lightning_monarch.controller.mesh.imported_state import data_attributes, gather, public_settings
+from lightning_monarch.controller.mesh.payload import travel_error
+from tests import compat_models as compat
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Settings:
+    """A library's settings object: a property with a setter, one without, public and private data."""
+
+    def __init__(self) -> None:
+        self._seed = 0
+        self.verbose = False
+        self._cache: dict[str, int] = {}
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        self._seed = value
+
+    @property
+    def version(self) -> str:
+        return "1.0"
+
+
+def test_data_attributes_leave_out_code_and_pythons_own() -> None:
+    assert data_attributes(compat.ScaledClassifier) == {"scale": 1.0}
+    assert public_settings(Settings()) == {"verbose": False, "seed": 0}
+
+
+def test_a_value_that_cannot_be_pickled_travels_as_its_type_and_the_workers_refuse_another() -> None:
+    lock = threading.Lock()
+    compat.ScaledClassifier.scale = lock  # type: ignore[assignment]
+    try:
+        state = gather([compat.ScaledClassifier], [], travel_error)
+        assert compat.ScaledClassifier not in state.attributes
+        assert state.untravelled[compat.ScaledClassifier]["scale"][0] == "_thread.lock"
+        trainer = L.Trainer(
+            strategy="monarch",
+            accelerator="cpu",
+            devices=2,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with pytest.raises(
+            WorkerError,
+            match=r"`tests.compat_models.ScaledClassifier.scale` on the controller to a `_thread.lock`.*"
+            r"their import holds a `builtins.float` there.*`setup`",
+        ):
+            trainer.fit(compat.ScaledClassifier())
+    finally:
+        compat.ScaledClassifier.scale = 1.0
