@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class Settings:
-    """A library's settings object: a property with a setter, one without, public and private data."""
+    """A library's settings object: a property with a setter, one without, one without a getter,
+    public and private data."""
 
     def __init__(self) -> None:
         self._seed = 0
@@ -37,6 +38,12 @@ class Settings:
     @property
     def version(self) -> str:
         return "1.0"
+
+    def _set_token(self, value: str) -> None:
+        self._cache["token"] = len(value)
+
+    #: Write-only: nothing to read, so nothing to carry.
+    token = property(fset=_set_token)
 
 
 def test_data_attributes_leave_out_code_and_pythons_own() -> None:

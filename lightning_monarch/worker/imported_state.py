@@ -48,25 +48,17 @@ class CarriedState:
     def __init__(self, state: ImportedState) -> None:
         self._replaced: list[tuple[Any, str, Any]] = []
         for key, values in state.attributes.items():
-            holder = importlib.import_module(key) if isinstance(key, str) else key
+            holder = _holder(key)
             self._take(holder, values, vars(holder).get)
         for (module, name), values in state.settings.items():
             settings = getattr(importlib.import_module(module), name)
             self._take(settings, values, functools.partial(getattr, settings))
         for key, untravelled in state.untravelled.items():
-            holder = importlib.import_module(key) if isinstance(key, str) else key
             for name, (theirs, why) in untravelled.items():
-                mine = vars(holder).get(name, _MISSING)
+                mine = vars(_holder(key)).get(name, _MISSING)
                 if mine is _MISSING or type_name(type(mine)) != theirs:
                     self.undo()
-                    where = key if isinstance(key, str) else type_name(key)
-                    raise TypeError(
-                        f"The script set `{where}.{name}` on the controller to a `{theirs}`, which cannot be pickled"
-                        f" ({why}), so the workers cannot take it; their import holds"
-                        f" {'nothing' if mine is _MISSING else 'a `' + type_name(type(mine)) + '`'} there. Under ddp"
-                        " every rank's script would have set it. Set it in a hook that runs on the workers (the"
-                        " module's or datamodule's `setup`), or give it a value that can be pickled."
-                    )
+                    raise _changed_beyond_pickling(key, name, theirs, why, mine)
 
     def _take(self, holder: Any, values: dict[str, Any], own: Callable[[str, Any], Any]) -> None:
         """Set each of ``values`` on ``holder`` where ``own(name, _MISSING)``, this process's, differs."""
@@ -84,3 +76,21 @@ class CarriedState:
             else:
                 setattr(holder, name, mine)
         self._replaced.clear()
+
+
+def _holder(key: Any) -> Any:
+    """The class of an :class:`ImportedState` key, or the module it names."""
+    return importlib.import_module(key) if isinstance(key, str) else key
+
+
+def _changed_beyond_pickling(key: Any, name: str, theirs: str, why: str, mine: Any) -> TypeError:
+    """The error for an attribute the script set to a value that cannot be pickled (``theirs``, its
+    type's name, and ``why``) where this process's import holds ``mine``."""
+    where = key if isinstance(key, str) else type_name(key)
+    held = "nothing" if mine is _MISSING else f"a `{type_name(type(mine))}`"
+    return TypeError(
+        f"The script set `{where}.{name}` on the controller to a `{theirs}`, which cannot be pickled ({why}), so"
+        f" the workers cannot take it; their import holds {held} there. Under ddp every rank's script would have"
+        " set it. Set it in a hook that runs on the workers (the module's or datamodule's `setup`), or give it a"
+        " value that can be pickled."
+    )

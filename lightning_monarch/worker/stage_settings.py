@@ -7,9 +7,9 @@ worker, puts the user's script folder on ``sys.path`` (as torchrun would), sets 
 (``torch_settings``) and the multiprocessing start method the controller has (Monarch's bootstrap
 set ``forkserver``, which a ddp rank's DataLoaders would not use), all before the stage's objects
 are unpickled, and what the script changed in the classes and modules the stage's objects refer to
-(``worker.imported_state``: PINA's class-level conditions, ``scvi.settings.seed``) as they are. A warm worker runs the next stage, or the next user's Trainer
-on the same mesh, in the same process: each of these is undone when the stage ends, so that no
-stage inherits another's.
+(``worker.imported_state``: PINA's class-level conditions, ``scvi.settings.seed``) as they are. A
+warm worker runs the next stage, or the next user's Trainer on the same mesh, in the same process:
+each of these is undone when the stage ends, so that no stage inherits another's.
 """
 
 from __future__ import annotations

@@ -67,13 +67,13 @@ def data_attributes(cls: type) -> dict[str, Any]:
 
 def public_settings(obj: Any) -> dict[str, Any]:
     """The settings of ``obj``, as its users set them: the value of each property of its class with
-    a setter (one whose getter raises is left out), and its public data attributes."""
+    a getter and a setter (one whose getter raises is left out), and its public data attributes."""
     settings = {name: value for name, value in vars(obj).items() if not name.startswith("_") and _data(name, value)}
     for cls in reversed(type(obj).__mro__):
         for name, member in vars(cls).items():
-            if isinstance(member, property) and member.fset is not None and not name.startswith("_"):
+            if isinstance(member, property) and member.fget and member.fset and not name.startswith("_"):
                 try:
-                    settings[name] = member.fget(obj) if member.fget is not None else None
+                    settings[name] = member.fget(obj)
                 except Exception:
                     settings.pop(name, None)
     return settings
