@@ -7,8 +7,8 @@ every rank. The workers never run the script: the controller reads each setting 
 worker makes the ones the script changed before any of the stage's objects is unpickled
 (:func:`apply`, ``worker.stage_settings``), which puts them back when the stage ends.
 
-"Changed" is against a fresh process on the controller's host (:class:`Fresh`: this file run as a
-script, which imports torch and nothing else, once per controller process): a worker keeps the
+"Changed" is against a fresh worker process on the controller's host, where this file runs as
+``__main__`` (``controller.launch.fresh_settings``, once per controller process): a worker keeps the
 values its own host chose where the script left them alone (a ROCm host's BLAS library, a CPU's
 quantized engine), as a ddp rank there would.
 
@@ -17,21 +17,17 @@ controller and reads it back on the workers, and fails on a flag of ``torch.back
 in it. Left out on purpose: thread counts (a rank's are its launcher's, ``worker.process``), print
 options (display only), and per-device state (the cuFFT plan cache, memory fractions).
 
-This module imports only torch and the standard library, so that :class:`Fresh` can run it alone.
+This module imports only torch and the standard library, so that it can run alone as a script.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
-import os
 import pickle
-import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -163,67 +159,9 @@ def read() -> Values:
     return {name: value for name, value in values.items() if value is not _UNREADABLE}
 
 
-class Fresh:
-    """Runs on the controller: the settings of a fresh process on this host (this file run as a
-    script, with this interpreter and environment, finding torch where this process found it), read
-    once, in the background from the first :meth:`start`, so that the mesh starts meanwhile. That
-    process is killed at exit if it still runs (:meth:`stop`)."""
-
-    def __init__(self) -> None:
-        self._thread: Optional[threading.Thread] = None
-        self._process: Optional[subprocess.Popen] = None
-        self._values: Optional[Values] = None
-        self._error: Optional[str] = None
-
-    def start(self) -> None:
-        """Start reading, unless it has started."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._read, name="lightning-monarch-fresh-settings", daemon=True)
-            self._thread.start()
-
-    def values(self) -> Values:
-        """The fresh process's values; raises ``RuntimeError`` where that process failed."""
-        self.start()
-        assert self._thread is not None
-        self._thread.join()
-        if self._values is None:
-            raise RuntimeError(
-                "strategy='monarch' reads torch's settings in a fresh Python process to tell which the script"
-                f" changed, and that process failed: {self._error}. Check that `{sys.executable} -c 'import torch'`"
-                " runs in this environment."
-            )
-        return self._values
-
-    def stop(self) -> None:
-        """Kill the reading process if it still runs."""
-        if self._process is not None and self._process.poll() is None:
-            self._process.kill()
-            self._process.wait()
-
-    def _read(self) -> None:
-        # run as a script, with neither this folder nor the current one first on ``sys.path``
-        script = "import runpy, sys; sys.path.pop(0); runpy.run_path(sys.argv[1], run_name='__main__')"
-        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", script, __file__], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment
-        )
-        out, err = self._process.communicate()
-        if self._process.returncode == 0:
-            self._values = pickle.loads(out)
-        else:
-            lines = err.decode(errors="replace").strip().splitlines()
-            self._error = lines[-1] if lines else f"exit code {self._process.returncode}"
-
-
-#: The controller's one reading of a fresh process.
-FRESH = Fresh()
-atexit.register(FRESH.stop)
-
-
-def changed() -> Values:
-    """Runs on the controller: the settings the script changed (those that differ from a fresh
-    process's), with this process's values."""
-    fresh = FRESH.values()
+def changed(fresh: Values) -> Values:
+    """Runs on the controller: the settings the script changed (those that differ from ``fresh``, a
+    fresh worker process's), with this process's values."""
     return {name: value for name, value in read().items() if fresh.get(name) != value}
 
 

@@ -8,6 +8,8 @@ import importlib
 import multiprocessing
 import pickle
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,8 @@ import torch.backends
 from torch.backends import ContextProp
 
 from lightning_monarch import torch_settings
+from lightning_monarch.controller.launch.fresh_settings import FRESH, FreshSettings
+from lightning_monarch.controller.mesh import forkserver
 from tests.models import Classifier
 
 pytestmark = pytest.mark.timeout(120)
@@ -134,10 +138,8 @@ class SettingsRecorder(Classifier):
         (Path(self.out_dir) / f"rank{self.global_rank}.pkl").write_bytes(pickle.dumps(found))
 
 
-def _seen_on_workers(out_dir: Path) -> list[dict[str, Any]]:
-    out_dir.mkdir()
-    model = SettingsRecorder(str(out_dir))
-    trainer = L.Trainer(
+def _trainer() -> L.Trainer:
+    return L.Trainer(
         strategy="monarch",
         accelerator="cpu",
         devices=2,
@@ -146,8 +148,23 @@ def _seen_on_workers(out_dir: Path) -> list[dict[str, Any]]:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.validate(model, verbose=False)
+
+
+def _seen_on_workers(out_dir: Path) -> list[dict[str, Any]]:
+    out_dir.mkdir()
+    model = SettingsRecorder(str(out_dir))
+    _trainer().validate(model, verbose=False)
     return [pickle.loads((out_dir / f"rank{rank}.pkl").read_bytes()) for rank in range(2)]
+
+
+def test_a_fresh_workers_settings_are_read_in_a_child_of_the_fork_server() -> None:
+    """The fresh values that tell what the script changed come from a child of the fork server that
+    forks the CPU workers (no new import of torch), and are a new interpreter's."""
+    fresh = FreshSettings()
+    forked = fresh.values(_trainer().strategy._settings())  # type: ignore[attr-defined]
+    assert fresh.command is not None and forkserver.SCRIPT in fresh.command
+    script = subprocess.run([sys.executable, torch_settings.__file__], capture_output=True, check=True).stdout
+    assert forked == pickle.loads(script)
 
 
 def test_a_setting_changed_on_the_controller_is_seen_on_the_workers(tmp_path: Path) -> None:
@@ -156,7 +173,7 @@ def test_a_setting_changed_on_the_controller_is_seen_on_the_workers(tmp_path: Pa
     workers' DataLoaders start processes as the controller's would (``fork`` on Linux unless the
     script chose), as a ddp rank's would, not by Monarch's ``forkserver``."""
     before = torch_settings.read()  # what earlier tests' Trainers left (``deterministic=True``)
-    fresh = torch_settings.FRESH.values()
+    fresh = FRESH.values(_trainer().strategy._settings())  # type: ignore[attr-defined]
     try:
         torch_settings.apply(fresh)
         for setting in torch_settings.SETTINGS:

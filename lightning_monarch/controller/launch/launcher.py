@@ -23,12 +23,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_monarch import torch_settings
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.features import preflight
 from lightning_monarch.controller.features.async_validation import ValidationMesh, refuse_at_fit, stops_early
 from lightning_monarch.controller.features.elastic import ElasticFit
 from lightning_monarch.controller.features.rehearsal import ready_again, rehearse
+from lightning_monarch.controller.launch.fresh_settings import FRESH
 from lightning_monarch.controller.launch.stage_inputs import LOADER_STAGES, TRAINER_FN, StageInputs
 from lightning_monarch.controller.loop.callbacks import CallbackPlacement, set_aside_refused
 from lightning_monarch.controller.loop.mirrors import silence_on_exception, skip_teardown_once
@@ -53,8 +53,7 @@ class MonarchLauncher(lightning_compat.Launcher):
 
     def __init__(self, settings: StrategySettings, hooks: StrategyHooks) -> None:
         self.settings, self._hooks = settings, hooks
-        # which torch settings the script changed is told against a fresh process: read while the script goes on
-        torch_settings.FRESH.start()
+        FRESH.read_ahead(settings)
 
     @property
     @override

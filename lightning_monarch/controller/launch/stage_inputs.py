@@ -26,6 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_monarch import torch_settings
 from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch.controller.launch.fresh_settings import FRESH
 from lightning_monarch.controller.loop.mirrors import plan_loaders
 from lightning_monarch.controller.loop.plan import make_plan, states_can_travel
 from lightning_monarch.controller.loop.session import StageSession
@@ -200,7 +201,7 @@ class StageInputs:
             sys_path=(script_dir,) if script_dir else (),
             env={name: os.environ.get(name) for name in _SEED_ENV},
             torch_rng=_TORCH_RNG.start(),
-            torch_settings=torch_settings.changed(),
+            torch_settings=torch_settings.changed(FRESH.values(settings)),
             start_method=multiprocessing.get_start_method(allow_none=True),
             rehearsal=settings.rehearsing,
             post_mortem=settings.post_mortem,

@@ -2,9 +2,10 @@
 
 Runs on the controller. A CPU worker on this host, on the hosts of a ``ProcessJob``, or on hosts at
 addresses served on this machine (host processes of this machine, with this interpreter:
-``hosts.runs_here``), is started by the bootstrap command :func:`bootstrap_command` gives, which
-has the fork server of its Lightning package fork it, ready imported, instead of importing torch
-and Lightning itself (about 5 CPU-seconds a worker). The server is started with the first such
+``hosts.runs_here``; :func:`forked_package`), is started by a bootstrap command that has the fork
+server of its Lightning package fork it, ready imported, instead of importing torch and Lightning
+itself (about 5 CPU-seconds a worker). :func:`forked_command` has the server fork a child for
+another module (``controller.launch.fresh_settings`` reads a fresh worker's torch settings so). The server is started with the first such
 mesh, from this process's environment and working directory, and another is started when either has
 changed since: its imports must have seen what a new worker's would. The last :data:`KEPT` servers
 of a package are kept, so that an environment changed for a while and then restored (a test's
@@ -29,19 +30,17 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import psutil
 from monarch.actor import HostMesh, ProcMesh
 
 from lightning_monarch import namespaces
 from lightning_monarch._compat.monarch import bootstrap_command as monarch_bootstrap_command
+from lightning_monarch.controller.mesh.hosts import runs_here
 from lightning_monarch.worker import forkserver as worker_forkserver
 from lightning_monarch.worker.forkserver import comparable_environment
 from lightning_monarch.worker.process import LOCAL_DIMENSION, start_worker_process
-
-if TYPE_CHECKING:
-    from lightning_monarch._compat.monarch import BootstrapCommand
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +116,24 @@ class ForkServerProcess:
 _SERVERS: dict[str, list[ForkServerProcess]] = {}
 
 
-def bootstrap_command(package: str) -> Optional[BootstrapCommand]:
-    """The bootstrap command for CPU workers on this host that import ``package``: one that forks
-    them from the fork server that saw this process's environment and directory, started here if
-    need be; ``None`` (Monarch's own) off Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
+def forked_package(hosts: Optional[HostMesh], gpu_indices: Optional[tuple[int, ...]]) -> Optional[str]:
+    """The Lightning package of the workers this process's fork servers fork on ``hosts`` (``None``:
+    this host) for ``gpu_indices`` (``None``: CPU workers): CPU workers on hosts that run here
+    (``hosts.runs_here``), on Linux; ``None`` where Monarch's own bootstrap starts them."""
+    if gpu_indices is None and runs_here(hosts) and sys.platform.startswith("linux"):
+        return namespaces.namespace_of(__name__).pytorch
+    return None
+
+
+def forked_command(package: str, command: Sequence[str]) -> list[str]:
+    """The command line of a process that has the fork server of ``package``'s workers fork it a
+    child that runs ``command`` (``MODULE ARG...``) as ``python -m`` would."""
+    return [sys.executable, *_server(package).start_arguments(command=command)]
+
+
+def _server(package: str) -> ForkServerProcess:
+    """The fork server of ``package``'s workers that saw this process's environment and directory,
+    started here if need be."""
     servers = _SERVERS[package] = [server for server in _SERVERS.get(package, []) if server.running()]
     server = next((server for server in servers if server.current()), None)
     if server is None:
@@ -134,7 +145,7 @@ def bootstrap_command(package: str) -> Optional[BootstrapCommand]:
     servers.insert(0, server)
     while len(servers) > KEPT:
         servers.pop().stop()
-    return server.command
+    return server
 
 
 @dataclass(frozen=True)
@@ -150,17 +161,17 @@ class ProcessStart:
 
     @classmethod
     def of(
-        cls, per_host: int, gpu_indices: Optional[tuple[int, ...]], hold_warnings: bool, local: bool
+        cls, per_host: int, gpu_indices: Optional[tuple[int, ...]], hold_warnings: bool, forked: Optional[str]
     ) -> ProcessStart:
         """``per_host`` workers on each host, started as ``worker.process.start_worker_process``
-        says, with a new run ID; forked where ``local`` (the hosts are this one) and CPU workers."""
+        says, with a new run ID; forked where ``forked`` names their Lightning package
+        (:func:`forked_package`)."""
         run_id = f"lightning_monarch-{uuid.uuid4().hex[:12]}"
         bootstrap = functools.partial(start_worker_process, run_id, per_host, gpu_indices, hold_warnings)
-        forked = namespaces.namespace_of(__name__).pytorch if local and gpu_indices is None else None
         return cls({LOCAL_DIMENSION: per_host}, bootstrap, forked)
 
     def spawn(self, hosts: HostMesh) -> ProcMesh:
-        command = None if self.forked is None else bootstrap_command(self.forked)
+        command = None if self.forked is None else _server(self.forked).command
         return hosts.spawn_procs(per_host=self.per_host, bootstrap=self.bootstrap, bootstrap_command=command)
 
 

@@ -18,8 +18,8 @@ from monarch.actor import HostMesh, ProcMesh, this_host
 
 from lightning_monarch._compat.monarch import SupervisionError
 from lightning_monarch.controller.mesh import deaths, storages
-from lightning_monarch.controller.mesh.forkserver import ProcessStart
-from lightning_monarch.controller.mesh.hosts import host_count, runs_here
+from lightning_monarch.controller.mesh.forkserver import ProcessStart, forked_package
+from lightning_monarch.controller.mesh.hosts import host_count
 from lightning_monarch.controller.mesh.lifelines import LIFELINES
 from lightning_monarch.controller.mesh.output import WorkerOutput
 from lightning_monarch.controller.mesh.storages import KeptShards
@@ -85,16 +85,15 @@ class WorkerMesh:
         gpu_indices: Optional[tuple[int, ...]] = None,
         output: Optional[WorkerOutput] = None,
         hold_warnings: bool = True,
-        local: bool = False,
+        forked: Optional[str] = None,
     ) -> None:
-        """A mesh not yet started; :meth:`spawn` starts one. ``local``: the processes of ``hosts``
-        run on this machine with this interpreter (``hosts.runs_here``), and their CPU workers are
-        forked from this process's fork server (``controller.mesh.forkserver``)."""
+        """A mesh not yet started; :meth:`spawn` starts one. ``forked``: the Lightning package of
+        workers that this process's fork server forks (``controller.mesh.forkserver.forked_package``)."""
         self.num_workers = per_host * host_count(hosts)
         self._hosts = hosts
         self._per_host = per_host
         self._output = output
-        self._process_start = ProcessStart.of(per_host, gpu_indices, hold_warnings, local)
+        self._process_start = ProcessStart.of(per_host, gpu_indices, hold_warnings, forked)
         #: The worker processes, their actors and ranks; ``None`` once stopped.
         self._world: Optional[WorkerWorld] = None
         self._watch = ProcessWatch([])
@@ -130,8 +129,8 @@ class WorkerMesh:
         torch elastic environment; ``output`` forwards what workers on other hosts print, and with
         ``hold_warnings`` the workers hold their Python warnings for the controller to show once
         (``worker.held_warnings``)."""
-        local = runs_here(hosts)  # before ``hosts`` is this host's mesh, which is not registered as one
-        mesh = cls(this_host() if hosts is None else hosts, per_host, gpu_indices, output, hold_warnings, local)
+        forked = forked_package(hosts, gpu_indices)  # before ``hosts`` is this host's mesh, not registered as one
+        mesh = cls(this_host() if hosts is None else hosts, per_host, gpu_indices, output, hold_warnings, forked)
         mesh._start()
         return mesh
 
