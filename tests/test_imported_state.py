@@ -13,6 +13,8 @@ import pytest
 from lightning_monarch import WorkerError
 from lightning_monarch.controller.mesh.imported_state import data_attributes, gather, public_settings
 from lightning_monarch.controller.mesh.payload import travel_error
+from lightning_monarch.wire.specs import ImportedState, Untravelled
+from lightning_monarch.worker.imported_state import CarriedState
 from tests import compat_models as compat
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,7 +59,7 @@ def test_a_value_that_cannot_be_pickled_travels_as_its_type_and_the_workers_refu
     try:
         state = gather([compat.ScaledClassifier], [], travel_error)
         assert compat.ScaledClassifier not in state.attributes
-        assert state.untravelled[compat.ScaledClassifier]["scale"][0] == "_thread.lock"
+        assert state.untravelled[compat.ScaledClassifier]["scale"][0] == Untravelled("_thread.lock")
         trainer = L.Trainer(
             strategy="monarch",
             accelerator="cpu",
@@ -76,3 +78,35 @@ def test_a_value_that_cannot_be_pickled_travels_as_its_type_and_the_workers_refu
             trainer.fit(compat.ScaledClassifier())
     finally:
         compat.ScaledClassifier.scale = 1.0
+
+
+class Registry:
+    """A library's class whose data holds something that cannot be pickled beside data."""
+
+    handlers: dict[str, object] = {"lock": threading.Lock(), "retries": 3}
+
+
+@pytest.mark.parametrize(
+    ("script", "refused"),
+    [
+        ({"lock": threading.Lock(), "retries": 3}, False),  # the same data: another lock cannot be told apart
+        ({"lock": threading.Lock(), "retries": 5}, True),
+        ({"lock": threading.Lock(), "retries": 3, "extra": 1}, True),
+        ([threading.Lock(), 3], True),
+    ],
+)
+def test_a_value_that_cannot_be_pickled_is_told_apart_by_its_data(script: object, refused: bool) -> None:
+    """A dict that holds a lock cannot travel; its description (the lock's type, the data beside
+    it) tells a worker whose import holds other data that the script changed it."""
+    imported = Registry.handlers
+    Registry.handlers = script  # type: ignore[assignment]
+    try:
+        state = gather([Registry], [], travel_error)
+    finally:
+        Registry.handlers = imported
+    assert Registry not in state.attributes
+    if refused:
+        with pytest.raises(TypeError, match=r"Registry.handlers` on the controller to a `builtins"):
+            CarriedState(ImportedState({}, {}, state.untravelled))
+    else:
+        CarriedState(ImportedState({}, {}, state.untravelled)).undo()

@@ -7,6 +7,7 @@ these messages serve; nothing here talks to a mesh or runs a hook.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -98,8 +99,31 @@ class ImportedState:
     #: holds that is of a library's class (``scvi.settings``), by the module's name and the object's.
     settings: dict[tuple[str, str], dict[str, Any]]
     #: The data attributes that cannot be pickled, as the class or module of :attr:`attributes`
-    #: holds them: their type's ``module.qualname`` and why, by name.
-    untravelled: dict[Union[type, str], dict[str, tuple[str, str]]] = field(default_factory=dict)
+    #: holds them: each one :func:`described`, and why it cannot be pickled, by name.
+    untravelled: dict[Union[type, str], dict[str, tuple[Any, str]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Untravelled:
+    """A value that cannot be pickled, as the controller describes it (:func:`described`) for a
+    worker to tell whether its own import holds the same: its type's ``module.qualname`` and, for a
+    list, tuple or dict, its items (pairs of key and value), each described in turn."""
+
+    type: str
+    items: Optional[tuple[Any, ...]] = None
+
+
+def described(value: Any, travel_error: Callable[[Any], Optional[Exception]]) -> Any:
+    """``value`` itself where it can travel (``travel_error`` finds no error), else its
+    :class:`Untravelled`."""
+    if travel_error(value) is None:
+        return value
+    items: Optional[tuple[Any, ...]] = None
+    if isinstance(value, (list, tuple)):
+        items = tuple(described(item, travel_error) for item in value)
+    elif isinstance(value, dict):
+        items = tuple((described(key, travel_error), described(item, travel_error)) for key, item in value.items())
+    return Untravelled(type_name(type(value)), items)
 
 
 def type_name(cls: type) -> str:

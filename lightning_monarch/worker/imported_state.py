@@ -10,7 +10,8 @@ from this process's takes the controller's: a class's or module's attribute is r
 object's setting is set as the script set it (through its property's setter, whose side effects run
 as they did there: scvi's seeds its generators). :meth:`CarriedState.undo` puts this process's values
 back when the stage ends, so that the next stage compares with the import's again. A value that
-could not be pickled is refused where this process holds another type there (the script set it).
+could not be pickled is refused where what this process holds there does not fit its description
+(``wire.specs.described``): the script set it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import cloudpickle
 
-from lightning_monarch.wire.specs import ImportedState, type_name
+from lightning_monarch.wire.specs import ImportedState, Untravelled, type_name
 
 #: An attribute that its holder did not have here.
 _MISSING = object()
@@ -42,6 +43,24 @@ def _same(mine: Any, theirs: Any) -> bool:
         return False
 
 
+def _fits(mine: Any, theirs: Any) -> bool:
+    """Whether ``mine`` is what ``theirs``, a value or its ``Untravelled`` description, says: the
+    same value, or a value of the described type whose items fit the description's."""
+    if not isinstance(theirs, Untravelled):
+        return _same(mine, theirs)
+    if type_name(type(mine)) != theirs.type:
+        return False
+    if theirs.items is None:
+        return True
+    if isinstance(mine, dict):
+        pairs = list(mine.items())
+        return len(pairs) == len(theirs.items) and all(
+            _fits(key, their_key) and _fits(value, their_value)
+            for (key, value), (their_key, their_value) in zip(pairs, theirs.items, strict=True)
+        )
+    return len(mine) == len(theirs.items) and all(map(_fits, mine, theirs.items))
+
+
 class CarriedState:
     """The controller's imported state made in this process for one stage."""
 
@@ -56,9 +75,9 @@ class CarriedState:
         for key, untravelled in state.untravelled.items():
             for name, (theirs, why) in untravelled.items():
                 mine = vars(_holder(key)).get(name, _MISSING)
-                if mine is _MISSING or type_name(type(mine)) != theirs:
+                if mine is _MISSING or not _fits(mine, theirs):
                     self.undo()
-                    raise _changed_beyond_pickling(key, name, theirs, why, mine)
+                    raise _changed_beyond_pickling(key, name, theirs.type, why, mine)
 
     def _take(self, holder: Any, values: dict[str, Any], own: Callable[[str, Any], Any]) -> None:
         """Set each of ``values`` on ``holder`` where ``own(name, _MISSING)``, this process's, differs."""

@@ -20,8 +20,10 @@ Each worker takes each value that differs from its own import's (``worker.import
 Not carried: what the standard library, torch (whose process-wide state ``torch_settings``
 carries), Monarch and this package define; classes written in C, whose attributes a script cannot
 change; a module's private names (``_cache``: a library's own bookkeeping). A value that cannot be
-pickled (a lock, an open file) cannot travel: its type does, and a worker whose import holds another
-type there refuses the stage, naming it (the script set it); one of the same type keeps its own.
+pickled (a lock, an open file) cannot travel: its description does (``wire.specs.described``: its
+type, and a list's, tuple's or dict's items, themselves where they can be pickled), and a worker
+whose import holds what another description fits refuses the stage, naming it (the script set it).
+An unpicklable object replaced by another of its type cannot be told apart, and keeps the import's.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import types
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
-from lightning_monarch.wire.specs import ImportedState, type_name
+from lightning_monarch.wire.specs import ImportedState, described
 
 #: The top-level packages whose classes and modules stay as the workers import them.
 NOT_CARRIED = frozenset(sys.stdlib_module_names) | {"builtins", "torch", "monarch", "lightning_monarch"}
@@ -95,7 +97,7 @@ def gather(classes: Iterable[type], modules: Iterable[str], travel_error: Callab
     """The state of ``classes`` and of the ``modules`` (by name) that the payload refers to, and of
     the packages above them; a value for which ``travel_error`` gives an error is left out."""
 
-    untravelled: dict[Union[type, str], dict[str, tuple[str, str]]] = {}
+    untravelled: dict[Union[type, str], dict[str, tuple[Any, str]]] = {}
 
     def travelling(values: dict[str, Any], holder: Union[type, str, None] = None) -> dict[str, Any]:
         travel = {}
@@ -104,7 +106,8 @@ def gather(classes: Iterable[type], modules: Iterable[str], travel_error: Callab
             if error is None:
                 travel[name] = value
             elif holder is not None:
-                untravelled.setdefault(holder, {})[name] = (type_name(type(value)), f"{type(error).__name__}: {error}")
+                why = f"{type(error).__name__}: {error}"
+                untravelled.setdefault(holder, {})[name] = (described(value, travel_error), why)
         return travel
 
     attributes: dict[Union[type, str], dict[str, Any]] = {}
