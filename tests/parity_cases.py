@@ -502,6 +502,9 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
             _found(callback.optimal_lr) for callback in case.callbacks if isinstance(callback, LearningRateFinder)
         ],
         hparams_lr=model.hparams.get("lr"),
+        # the script's process is rank 0 under ddp: its optimizers and schedulers after the stages
+        optimizers=[_optimizer_view(optimizer) for optimizer in trainer.optimizers],
+        lr_schedulers=[_scheduler_view(config.scheduler) for config in trainer.lr_scheduler_configs],
         # the script's process is rank 0 under ddp: its random number generators after the stages
         rng={
             "torch": torch.get_rng_state(),
@@ -512,6 +515,29 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
         hparams=(logs / "hparams.yaml").read_text() if (logs / "hparams.yaml").exists() else None,
     )
     return results
+
+
+def _torch_classes(obj: Any) -> list[str]:
+    """The classes of torch's own that ``obj`` is an instance of, as ``isinstance`` sees them."""
+    return [cls.__qualname__ for cls in type(obj).__mro__ if cls.__module__.startswith("torch.optim")]
+
+
+def _optimizer_view(optimizer: Any) -> dict[str, Any]:
+    """What a script reads of an optimizer: its classes, and each param group's hyperparameters and
+    number of parameters."""
+    return {
+        "classes": _torch_classes(optimizer),
+        "groups": [
+            {**{key: value for key, value in group.items() if key != "params"}, "params": len(group["params"])}
+            for group in optimizer.param_groups
+        ],
+    }
+
+
+def _scheduler_view(scheduler: Any) -> dict[str, Any]:
+    """What a script reads of an LR scheduler: its classes, last learning rates and state."""
+    last = scheduler.get_last_lr() if hasattr(scheduler, "get_last_lr") else None
+    return {"classes": _torch_classes(scheduler), "last_lr": last, "state": scheduler.state_dict()}
 
 
 def _found(finder: Any) -> tuple[Any, Any]:

@@ -6,6 +6,7 @@ worker callbacks' checkpoint hooks; module attributes that cannot travel back; a
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -257,3 +258,22 @@ def test_module_attributes_that_cannot_travel_are_named() -> None:
         _fit(model, enable_progress_bar=False, limit_train_batches=2, limit_val_batches=0)
     assert len([w for w in caught if "cannot be pickled" in str(w.message)]) == 1, "one warning, only that attribute"
     assert model.seen_epochs == 1 and not hasattr(model, "log_file"), "the attributes that travel still do"
+
+
+class LockedSchedule(Classifier):
+    """A ``LambdaLR`` whose lambda holds a lock, which cannot be pickled."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        lock = threading.Lock()
+        return [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5 if lock else 1.0)]
+
+
+def test_optimizers_that_cannot_travel_leave_the_stand_ins_with_a_warning() -> None:
+    """After ``fit`` the controller's Trainer takes rank 0's optimizers and schedulers (the parity
+    cases compare them with ddp's); where they cannot be pickled it says so and keeps its stand-ins,
+    which still hold rank 0's learning rates."""
+    with pytest.warns(UserWarning, match=r"`trainer.optimizers`.*stay stand-ins.*could not be pickled \(TypeError"):
+        trainer = _fit(LockedSchedule(), enable_progress_bar=False, limit_train_batches=2, limit_val_batches=0)
+    assert not isinstance(trainer.optimizers[0], torch.optim.SGD)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.05

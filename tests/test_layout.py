@@ -132,7 +132,7 @@ def test_the_direction_check_finds_an_import_of_a_strategy(source: str) -> None:
 
 #: Attributes of a strategy that controller modules may set: Lightning's own, which its loop sets
 #: on any strategy (``Strategy.setup_optimizers``), set on the controller as Lightning would.
-LIGHTNINGS_STRATEGY_ATTRIBUTES = frozenset({"lr_scheduler_configs"})
+LIGHTNINGS_STRATEGY_ATTRIBUTES = frozenset({"optimizers", "lr_scheduler_configs"})
 
 
 def strategy_writes(source: str) -> list[tuple[int, str]]:

@@ -110,14 +110,25 @@ class Attributes:
     dropped: dict[str, str]
 
 
+#: The persistent IDs of an optimizers skeleton (``worker.optimizers``, read by
+#: ``controller.loop.taken_back``): a parameter by its path in the module, an optimizer's state, the
+#: LightningModule and the Trainer, which the controller holds itself.
+SKELETON_PARAMETER, SKELETON_STATE, SKELETON_MODULE, SKELETON_TRAINER = "parameter", "state", "module", "trainer"
+
+
 @dataclass(frozen=True)
 class TakenBack:
     """What the controller's objects take of rank 0's at the end of a stage, as a ``ddp`` script's
     rank 0 holds its own: the module's attributes, and each worker callback's, in the order the
-    stage's payload gave them."""
+    stage's payload gave them; after an unsharded ``fit``, its optimizers and schedulers
+    (``worker.optimizers``)."""
 
     module: Attributes
     callbacks: list[Attributes]
+    #: The skeleton of rank 0's optimizers and schedulers after an unsharded ``fit``.
+    optimizers: Optional[bytes] = None
+    #: Why that skeleton could not be pickled (its error), where it could not.
+    optimizers_refused: Optional[str] = None
 
 
 @dataclass(frozen=True)

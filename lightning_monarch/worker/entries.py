@@ -130,7 +130,7 @@ class EntryRecorder:
             return entry
         return dataclasses.replace(
             entry,
-            attributes=cloudpickle.dumps(self._state.taken_back()),
+            attributes=cloudpickle.dumps(self._state.taken_back(with_optimizers=self._final_state)),
             rng=lightning_compat.rng_states(include_cuda=False),
             checkpoint=self._state.checkpoint_state() if self._final_state else None,
         )

@@ -21,6 +21,7 @@ from lightning_monarch.wire.gates import GateCallback
 from lightning_monarch.wire.protocol import METRIC_VIEWS, MODULE_HOOKS
 from lightning_monarch.wire.reports import Attributes, CheckpointState, RankValue, TakenBack
 from lightning_monarch.wire.specs import RankSnapshot
+from lightning_monarch.worker import optimizers
 from lightning_monarch.worker.describe import cpu_copy, to_cpu
 
 
@@ -72,13 +73,19 @@ class RankState:
         and the controller is told which and why."""
         return _attributes(self.module, cloudpickle.dumps, also=("_hparams",))
 
-    def taken_back(self) -> TakenBack:
+    def taken_back(self, with_optimizers: bool) -> TakenBack:
         """What the controller's module and worker callbacks take of this rank's at the end of a
-        stage. A callback's attribute that holds this rank's live Trainer, module or optimizers
-        stays here without a word: the controller's instance keeps its own."""
-        return TakenBack(
-            self.module_attributes(), [_attributes(callback, _LiveRefusing.check) for callback in self._callbacks]
-        )
+        stage, and ``with_optimizers`` its optimizers and schedulers. A callback's attribute that
+        holds this rank's live Trainer, module or optimizers stays here without a word: the
+        controller's instance keeps its own."""
+        skeleton, refused = None, None
+        if with_optimizers:
+            try:
+                skeleton = optimizers.skeleton(self._trainer)
+            except Exception as error:
+                refused = f"{type(error).__name__}: {error}"
+        callbacks = [_attributes(callback, _LiveRefusing.check) for callback in self._callbacks]
+        return TakenBack(self.module_attributes(), callbacks, skeleton, refused)
 
     def module_children(self) -> dict[str, Any]:
         """The module's direct submodules (on CPU after the stage's teardown): the controller takes

@@ -45,7 +45,7 @@ from lightning_monarch.controller.loop.plan import (
 )
 from lightning_monarch.controller.loop.predictions import PredictionCollector
 from lightning_monarch.controller.loop.requests import WorkerRequests
-from lightning_monarch.controller.loop.taken_back import take_attributes
+from lightning_monarch.controller.loop.taken_back import take_attributes, take_final_state
 from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.storages import KeptShards
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
@@ -432,7 +432,7 @@ class StageSession:
     def finish(self, stage: str) -> None:
         """The controller's loop finished ``stage``: take the workers' end of it (nothing may follow),
         their final metrics and rank 0's module attributes, after training their final state, which
-        the controller's module then holds, and after predicting every rank's predictions. A sharded
+        the controller's module and Trainer then hold (``taken_back.take_final_state``), and after predicting every rank's predictions. A sharded
         module's weights stay on the workers: the controller's module goes to the meta device."""
         self._leave()
         self._ended = Entry(None)  # from here the controller's loop expects no gate
@@ -450,7 +450,8 @@ class StageSession:
         self._channel.mesh.held = frozenset(entry.held)
         module = self._module
         assert entry.attributes is not None  # rank 0's end entry of a stage that ran to its end has them
-        take_attributes(cloudpickle.loads(entry.attributes), module, self.worker_callbacks)
+        taken = cloudpickle.loads(entry.attributes)
+        take_attributes(taken, module, self.worker_callbacks)
         if entry.rng is not None:
             lightning_compat.set_rng_states(entry.rng)
         if stage == "predict":
@@ -462,12 +463,4 @@ class StageSession:
         elif stage == "fit" and not self.sharded:
             assert entry.checkpoint is not None  # the end entry of an unsharded ``fit`` has it
             self.final_state = entry.checkpoint
-            if set(self.final_state.model) != set(module.state_dict()):
-                # ``configure_model`` changed the module on the workers (compiled, wrapped or grew
-                # layers): the controller's module takes rank 0's submodules, as DDP's rank 0 has them.
-                for name, child in self._channel.ask_rank0("module_children").items():
-                    setattr(module, name, child)
-            module.load_state_dict(self.final_state.model)
-            # the module's own tensors now, as a ``ddp`` rank 0's checkpoint after ``fit`` would
-            # read them, and no second copy of the weights for as long as the Trainer lives
-            self.final_state.model.update(module.state_dict())
+            take_final_state(taken, self._trainer, module, self.final_state, self._channel.ask_rank0)

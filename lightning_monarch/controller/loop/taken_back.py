@@ -4,16 +4,30 @@ Runs on the controller, for ``StageSession.finish``. Under DDP the script's proc
 after a stage its module and callbacks hold what rank 0's hold. The end entry of a stage carries
 rank 0's public attributes of the module (with its ``hparams``) and of each worker callback
 (``worker.state``): the controller's objects take them, and keep their own of those that could not
-travel, with a warning that names them.
+travel, with a warning that names them. After an unsharded ``fit``, the controller's Trainer also
+takes rank 0's optimizers and LR schedulers in place of its stand-ins (:func:`take_optimizers`).
 """
 
 from __future__ import annotations
 
+import collections
+import io
+import pickle
+from collections.abc import Callable
 from typing import Any
 
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_monarch.wire.reports import Attributes, TakenBack
+from lightning_monarch.wire.reports import (
+    SKELETON_MODULE,
+    SKELETON_PARAMETER,
+    SKELETON_STATE,
+    SKELETON_TRAINER,
+    Attributes,
+    CheckpointState,
+    TakenBack,
+)
 
 
 def take_attributes(taken: TakenBack, module: Any, worker_callbacks: list[Any]) -> None:
@@ -33,3 +47,68 @@ def _take(obj: Any, attributes: Attributes, kind: str) -> None:
             f" the {kind} of a `ddp` script's rank 0 would have them, but not these: it keeps its own. Make"
             " them picklable, or keep them out of the public attributes (a name that starts with `_`)."
         )
+
+
+def take_final_state(
+    taken: TakenBack,
+    trainer: Trainer,
+    module: LightningModule,
+    state: CheckpointState,
+    ask_rank0: Callable[[str], Any],
+) -> None:
+    """After an unsharded ``fit``: ``module`` takes rank 0's final weights from ``state`` (and first
+    rank 0's submodules, asked of it with ``ask_rank0``, where ``configure_model`` changed the
+    module on the workers: compiled, wrapped or grew layers, as DDP's rank 0 has them), and
+    ``trainer`` its optimizers and schedulers (:func:`take_optimizers`). ``state.model`` then holds
+    the module's own tensors, as a ``ddp`` rank 0's checkpoint after ``fit`` would read them: no
+    second copy of the weights for as long as the Trainer lives."""
+    if set(state.model) != set(module.state_dict()):
+        for name, child in ask_rank0("module_children").items():
+            setattr(module, name, child)
+    module.load_state_dict(state.model)
+    state.model.update(module.state_dict())
+    take_optimizers(taken, trainer, module, state)
+
+
+def take_optimizers(taken: TakenBack, trainer: Trainer, module: LightningModule, state: CheckpointState) -> None:
+    """Give ``trainer`` rank 0's optimizers and schedulers as a ``fit`` ended them: built from their
+    skeleton (``worker.optimizers``) over ``module``'s parameters, which hold rank 0's final values,
+    each optimizer's state loaded from the final checkpoint ``state``. Where the skeleton could not
+    be pickled, the stand-ins stay, with a warning that says why."""
+    if taken.optimizers is None:
+        if taken.optimizers_refused is not None:
+            rank_zero_warn(
+                "After `fit`, the controller's `trainer.optimizers` and `trainer.lr_scheduler_configs` stay"
+                " stand-ins that hold rank 0's learning rates but not its optimizers' state: rank 0's could not be"
+                f" pickled ({taken.optimizers_refused}). Read the optimizers' state from a checkpoint"
+                " (`trainer.save_checkpoint`), or keep what cannot be pickled out of them and of the schedulers."
+            )
+        return
+    optimizers, schedulers = _SkeletonUnpickler(io.BytesIO(taken.optimizers), trainer, module).load()
+    for optimizer, optimizer_state in zip(optimizers, state.optimizers, strict=True):
+        optimizer.load_state_dict(optimizer_state)
+    trainer.strategy.optimizers = optimizers
+    for config, scheduler in zip(trainer.lr_scheduler_configs, schedulers, strict=True):
+        config.scheduler = scheduler
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    """Reads a skeleton with the controller's own parameters, module and Trainer in it, and an
+    empty state for each optimizer."""
+
+    def __init__(self, file: io.BytesIO, trainer: Trainer, module: LightningModule) -> None:
+        super().__init__(file)
+        self._parameters = dict(module.named_parameters(remove_duplicate=False))
+        self._trainer, self._module = trainer, module
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, *rest = pid
+        if kind == SKELETON_PARAMETER:
+            return self._parameters[rest[0]]
+        if kind == SKELETON_STATE:
+            return collections.defaultdict(dict)
+        if kind == SKELETON_MODULE:
+            return self._module
+        if kind == SKELETON_TRAINER:
+            return self._trainer
+        raise pickle.UnpicklingError(f"unknown persistent ID {pid!r}")
