@@ -84,7 +84,9 @@ class RankState:
                 skeleton = optimizers.skeleton(self._trainer)
             except Exception as error:
                 refused = f"{type(error).__name__}: {error}"
-        callbacks = [_attributes(callback, _LiveRefusing.check) for callback in self._callbacks]
+        callbacks = [
+            _attributes(callback, _LiveRefusing.check, private=True, nested=_NESTED) for callback in self._callbacks
+        ]
         return TakenBack(self.module_attributes(), callbacks, skeleton, refused)
 
     def module_children(self) -> dict[str, Any]:
@@ -145,16 +147,30 @@ class RankState:
         return CheckpointState(**(cpu_copy if copy else to_cpu)(state))
 
 
-def _attributes(obj: Any, check: Any, also: tuple[str, ...] = ()) -> Attributes:
-    """``obj``'s public attributes, and those named in ``also``, that ``check`` pickles without an
-    error; for each other one, why it cannot travel (a :class:`_Live` one is left out)."""
-    values, dropped = {}, {}
+#: How deep a worker callback's objects that hold live ones travel as their own attributes.
+_NESTED = 2
+#: What a rank holds live: its Trainer, module, datamodule and optimizers.
+_LIVE = (Trainer, LightningModule, LightningDataModule, Optimizer)
+
+
+def _attributes(obj: Any, check: Any, also: tuple[str, ...] = (), private: bool = False, nested: int = 0) -> Attributes:
+    """``obj``'s public attributes (and with ``private`` its private ones: a library callback's
+    public properties read them, as FTS's ``curr_depth``), and those named in ``also``, that
+    ``check`` pickles without an error; for each other one, why it cannot travel. A :class:`_Live`
+    one is left out, or, ``nested`` levels deep, travels as its own :class:`Attributes` in turn
+    where it is an object that holds a live one (FTS's state, beside its reference to the fit loop),
+    for the controller's object there to take."""
+    values: dict[str, Any] = {}
+    dropped = {}
     for name, value in vars(obj).items():
-        if (name.startswith("_") and name not in also) or name == "training" or _bound_here(name, value, obj):
+        hidden = name.startswith("_") and not private and name not in also
+        if hidden or name == "training" or _bound_here(name, value, obj):
             continue
         try:
             check(value)
         except _Live:
+            if nested and hasattr(value, "__dict__") and not isinstance(value, (*_LIVE, type)):
+                values[name] = _attributes(value, check, private=private, nested=nested - 1)
             continue
         except Exception as error:
             dropped[name] = f"{type(error).__name__}: {error}"
@@ -177,7 +193,7 @@ class _LiveRefusing(cloudpickle.Pickler):
         cls(io.BytesIO()).dump(value)
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (Trainer, LightningModule, LightningDataModule, Optimizer)):
+        if isinstance(obj, _LIVE):
             raise _Live()
         return super().reducer_override(obj)
 

@@ -7,7 +7,8 @@ first, then the backbone once the head's early-stopping criterion is met; then
 What it exercises: a ``BaseFinetuning`` subclass that finds its ``EarlyStopping`` and
 ``ModelCheckpoint`` subclasses through ``trainer.callbacks`` (it refuses to run without them), reads
 the early-stopping state to move to the next phase, and restores the best checkpoint file at each
-phase transition.
+phase transition; after the fit, what its users read on their Trainer: the depth reached (a property
+over FTS's private state) and the param groups FTS added to the optimizer, at their rates.
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ from typing import Any, Optional
 import torch
 from finetuning_scheduler import FinetuningScheduler, FTSCheckpoint, FTSEarlyStopping
 from lightning import pytorch as pl
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_monarch  # noqa: F401 - registers strategy="monarch"
 from tests.clients import results
 
-#: The schedule: the head's parameters in phase 0, the backbone's from phase 1.
+#: The schedule: the head's parameters in phase 0, the backbone's from phase 1 (at its own learning
+#: rate, in a param group FTS adds), each phase moving on by epoch 2 at the latest.
 SCHEDULE = {
-    0: {"params": ["head.weight", "head.bias"]},
-    1: {"params": ["backbone.0.weight", "backbone.0.bias"], "max_transition_epoch": 4},
+    0: {"params": ["head.weight", "head.bias"], "max_transition_epoch": 2},
+    1: {"params": ["backbone.0.weight", "backbone.0.bias"], "max_transition_epoch": 4, "lr": 0.01},
 }
 
 
@@ -79,24 +82,28 @@ def train(strategy: str, out_dir: Path) -> Optional[dict[str, Any]]:
     pl.seed_everything(0)
     model = Finetuned()
     checkpointing = FTSCheckpoint(dirpath=str(out_dir / "checkpoints"), monitor="val_loss", save_top_k=1)
+    scheduler = FinetuningScheduler(ft_schedule=SCHEDULE)
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
         max_epochs=6,
-        logger=False,
+        logger=CSVLogger(str(out_dir)),
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(out_dir),
-        callbacks=[
-            FinetuningScheduler(ft_schedule=SCHEDULE, log_dir=str(out_dir)),
-            FTSEarlyStopping(monitor="val_loss", min_delta=0.001, patience=1),
-            checkpointing,
-        ],
+        callbacks=[scheduler, FTSEarlyStopping(monitor="val_loss", min_delta=0.001, patience=1), checkpointing],
     )
     trainer.fit(model)
     fitted = results(trainer, model, out_dir)
+    # what FTS's users read after the fit: the depth reached, the optimizer's groups as FTS added them
+    after_fit = {
+        "curr_depth": scheduler.curr_depth,
+        "param_groups": [
+            {"lr": group["lr"], "params": len(group["params"])} for group in trainer.optimizers[0].param_groups
+        ],
+    }
     tested = trainer.test(model, ckpt_path="best", verbose=False)
     if not trainer.is_global_zero:
         return None
-    return {**fitted, "best_model": Path(checkpointing.best_model_path).name, "test": tested}
+    return {**fitted, **after_fit, "best_model": Path(checkpointing.best_model_path).name, "test": tested}

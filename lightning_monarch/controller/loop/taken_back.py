@@ -38,14 +38,25 @@ def take_attributes(taken: TakenBack, module: Any, worker_callbacks: list[Any]) 
 
 
 def _take(obj: Any, attributes: Attributes, kind: str) -> None:
-    vars(obj).update(attributes.values)
+    """Give ``obj`` rank 0's ``attributes``; an object's own :class:`Attributes` (it held live
+    objects on the worker) go to the object ``obj`` holds there, if it holds one."""
+    for name, value in attributes.values.items():
+        if not isinstance(value, Attributes):
+            vars(obj)[name] = value
+        elif hasattr(mine := vars(obj).get(name), "__dict__"):
+            _take(mine, value, kind)
     if attributes.dropped:
         reasons = "; ".join(f"`{name}` ({why})" for name, why in sorted(attributes.dropped.items()))
+        taken, keep_out = (
+            ("public attributes", ", or keep them out of the public attributes (a name that starts with `_`)")
+            if kind == "module"
+            else ("attributes", "")
+        )
         rank_zero_warn(
-            f"`{type(obj).__name__}`: the workers' {kind} has public attributes that cannot be pickled:"
-            f" {reasons}. After the stage, the controller's {kind} takes rank 0's public attributes, as"
+            f"`{type(obj).__name__}`: the workers' {kind} has {taken} that cannot be pickled:"
+            f" {reasons}. After the stage, the controller's {kind} takes rank 0's {taken}, as"
             f" the {kind} of a `ddp` script's rank 0 would have them, but not these: it keeps its own. Make"
-            " them picklable, or keep them out of the public attributes (a name that starts with `_`)."
+            f" them picklable{keep_out}."
         )
 
 
