@@ -600,3 +600,23 @@ class ShiftedClassifier(Classifier):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(x)
         return torch.cat([logits[:, :1] + LOGIT_SHIFT, logits[:, 1:]], dim=1)
+
+
+class CountingDataModule(ClassificationDataModule):
+    """Counts the training batches it served and keeps the count in checkpoints (``state_dict``),
+    as a resumable data pipeline keeps its position; ``load_state_dict`` takes it back on resume."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.served = 0
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.trainer is not None and self.trainer.training:
+            self.served += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"served": self.served}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.served = state_dict["served"]

@@ -110,6 +110,9 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "bf16_mixed": lambda out: Case(models.Classifier(), {"precision": "bf16-mixed"}),
     "double": lambda out: Case(models.Classifier(), {"precision": "64-true"}),
     "resume": lambda out: Case(compat.CheckpointHooksClassifier(), {"max_epochs": 1}, stages=("fit", "resume")),
+    "datamodule_state": lambda out: Case(
+        models.DataModuleClassifier(), {"max_epochs": 1}, datamodule=compat.CountingDataModule(), stages=("fit", "resume")
+    ),
     "fit_again": lambda out: Case(
         models.Classifier(), {"max_epochs": 1}, stages=("fit", "fit_more", "test_best", "test_default")
     ),

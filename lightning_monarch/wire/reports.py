@@ -120,11 +120,13 @@ SKELETON_PARAMETER, SKELETON_STATE, SKELETON_MODULE, SKELETON_TRAINER = "paramet
 class TakenBack:
     """What the controller's objects take of rank 0's at the end of a stage, as a ``ddp`` script's
     rank 0 holds its own: the module's attributes, and each worker callback's, in the order the
-    stage's payload gave them; after an unsharded ``fit``, its optimizers and schedulers
-    (``worker.optimizers``)."""
+    stage's payload gave them; the datamodule's ``state_dict`` where it has one of its own; after an
+    unsharded ``fit``, its optimizers and schedulers (``worker.optimizers``)."""
 
     module: Attributes
     callbacks: list[Attributes]
+    #: Rank 0's datamodule's ``state_dict``, where its class defines one.
+    datamodule_state: Optional[dict[str, Any]] = None
     #: The skeleton of rank 0's optimizers and schedulers after an unsharded ``fit``.
     optimizers: Optional[bytes] = None
     #: Why that skeleton could not be pickled (its error), where it could not.

@@ -318,6 +318,11 @@ class MonarchWorker(Actor):
         return self._out_of_band(lambda state: state.on_save_checkpoint(checkpoint), "on_save_checkpoint")
 
     @endpoint
+    def datamodule_state_dict(self) -> Union[dict[str, Any], WorkerFailure]:
+        """Rank 0's datamodule's ``state_dict``, for the checkpoint the controller is writing."""
+        return self._out_of_band(lambda state: state.datamodule_state_dict(), "the datamodule's state_dict")
+
+    @endpoint
     def read_stats(self) -> Union[RankStats, WorkerFailure]:
         """This rank's device, process and step-time stats where the loop is parked (``worker.stats``)."""
         return self._out_of_band(lambda state: self._stats.read(self._rank, state.module.trainer), "stats")

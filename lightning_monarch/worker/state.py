@@ -14,6 +14,7 @@ from typing import Any, Optional
 import cloudpickle
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 from lightning_monarch._compat import lightning as lightning_compat
@@ -74,8 +75,8 @@ class RankState:
         return _attributes(self.module, cloudpickle.dumps, also=("_hparams",))
 
     def taken_back(self, with_optimizers: bool) -> TakenBack:
-        """What the controller's module and worker callbacks take of this rank's at the end of a
-        stage, and ``with_optimizers`` its optimizers and schedulers. A callback's attribute that
+        """What the controller's module, datamodule and worker callbacks take of this rank's at the
+        end of a stage, and ``with_optimizers`` its optimizers and schedulers. A callback's attribute that
         holds this rank's live Trainer, module or optimizers stays here without a word: the
         controller's instance keeps its own."""
         skeleton, refused = None, None
@@ -87,7 +88,10 @@ class RankState:
         callbacks = [
             _attributes(callback, _LiveRefusing.check, private=True, nested=_NESTED) for callback in self._callbacks
         ]
-        return TakenBack(self.module_attributes(), callbacks, skeleton, refused)
+        datamodule = self._trainer.datamodule  # type: ignore[attr-defined]
+        saves = datamodule is not None and is_overridden("state_dict", datamodule, LightningDataModule)
+        datamodule_state = self.datamodule_state_dict() if saves else None
+        return TakenBack(self.module_attributes(), callbacks, datamodule_state, skeleton, refused)
 
     def module_children(self) -> dict[str, Any]:
         """The module's direct submodules (on CPU after the stage's teardown): the controller takes
@@ -101,6 +105,11 @@ class RankState:
             callback.on_save_checkpoint(self._trainer, self.module, checkpoint)
         self.module.on_save_checkpoint(checkpoint)
         return to_cpu(checkpoint)  # what a GPU worker's hooks add must load where the controller has no GPU
+
+    def datamodule_state_dict(self) -> dict[str, Any]:
+        """The datamodule's ``state_dict``, as Lightning's ``dump_checkpoint`` reads it on a ``ddp``
+        rank 0: from the datamodule that set up and served this rank's data."""
+        return to_cpu(self._trainer.datamodule.state_dict())  # type: ignore[attr-defined]
 
     def snapshot(self, directory: Optional[str]) -> RankSnapshot:
         """This rank's part of a recovery snapshot (see ``specs.ResumePoint``). For a sharded

@@ -210,7 +210,7 @@ class StageInputs:
                 trainer.callbacks,  # type: ignore[attr-defined]
                 settings.max_ahead,
                 self.snapshots(),
-                states_travel=states_can_travel(module, self.worker_callbacks, sharding is not None),
+                states_travel=states_can_travel(module, self.datamodule, self.worker_callbacks, sharding is not None),
             ),
         )
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Optional, TypeVar, Union, cast
 
-from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from lightning.pytorch.callbacks import (
     Checkpoint,
     EarlyStopping,
@@ -171,19 +171,34 @@ def saves_from_entries(callback: Callback) -> bool:
     )
 
 
-def states_can_travel(module: LightningModule, worker_callbacks: Iterable[Callback], sharded: bool) -> bool:
+def states_can_travel(
+    module: LightningModule,
+    datamodule: Optional[LightningDataModule],
+    worker_callbacks: Iterable[Callback],
+    sharded: bool,
+) -> bool:
     """Whether rank 0's checkpoint state can travel in entries: the module is not sharded (its
-    state is gathered by every rank) and no hook of a worker's adds to checkpoints (the module's
-    or a worker callback's ``on_save_checkpoint``, which runs where the workers wait)."""
-    return not sharded and not saves_on_workers(module, worker_callbacks)
+    state is gathered by every rank) and no hook of a worker's adds to checkpoints
+    (:func:`saves_on_workers`), which runs where the workers wait."""
+    return not sharded and not saves_on_workers(module, datamodule, worker_callbacks)
 
 
-def saves_on_workers(module: LightningModule, worker_callbacks: Iterable[Callback]) -> bool:
+def saves_on_workers(
+    module: LightningModule, datamodule: Optional[LightningDataModule], worker_callbacks: Iterable[Callback]
+) -> bool:
     """Whether writing a checkpoint runs a hook on the workers' rank 0: the module's or a worker
-    callback's ``on_save_checkpoint``."""
-    return is_overridden("on_save_checkpoint", module, LightningModule) or any(
-        is_overridden("on_save_checkpoint", callback, Callback) for callback in worker_callbacks
+    callback's ``on_save_checkpoint``, or the datamodule's ``state_dict``."""
+    return (
+        is_overridden("on_save_checkpoint", module, LightningModule)
+        or datamodule_saves(datamodule)
+        or any(is_overridden("on_save_checkpoint", callback, Callback) for callback in worker_callbacks)
     )
+
+
+def datamodule_saves(datamodule: Optional[LightningDataModule]) -> bool:
+    """Whether ``datamodule`` puts a state of its own in checkpoints (``state_dict``): rank 0's,
+    which set up and served the data, is the one a ``ddp`` checkpoint holds."""
+    return datamodule is not None and is_overridden("state_dict", datamodule, LightningDataModule)
 
 
 def make_plan(

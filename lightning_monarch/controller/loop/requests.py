@@ -1,7 +1,8 @@
 """A stage's out-of-band requests (R5): what the controller's code asks of every worker's live state.
 
 Runs on the controller, for a stage's ``StageSession``: collectives and reads of every rank's
-metrics and stats for the strategy, the module's ``on_save_checkpoint`` and the sharded module's
+metrics and stats for the strategy, the module's ``on_save_checkpoint``, the datamodule's
+``state_dict`` for a checkpoint, and the sharded module's
 gathers and checkpoints. Each goes to the workers only where they wait for the controller (the
 session's ``require_parked`` raises elsewhere, naming the callback that asked), or after the stage.
 """
@@ -44,6 +45,11 @@ class WorkerRequests:
         edited = self._channel.ask_rank0("on_save_checkpoint", checkpoint, journal=True)
         checkpoint.clear()
         checkpoint.update(edited)
+
+    def datamodule_state_dict(self, gate: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The datamodule's ``state_dict`` for the checkpoint the controller saves: rank 0's."""
+        self._require_parked("a checkpoint (the datamodule's `state_dict`)")
+        return self._channel.ask_rank0("datamodule_state_dict", journal=True)
 
     def full_state_dict(self) -> dict[str, Any]:
         """The sharded module's full state dict, gathered by the workers: where they wait during the

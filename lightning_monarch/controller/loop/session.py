@@ -37,6 +37,7 @@ from lightning_monarch.controller.loop.mirrors import WorkerLoaders, follow_opti
 from lightning_monarch.controller.loop.other_ranks import OTHER_RANKS
 from lightning_monarch.controller.loop.plan import (
     PLAN_GATES,
+    datamodule_saves,
     is_observe_only,
     make_plan,
     plateau_intervals,
@@ -150,9 +151,13 @@ class StageSession:
         self._undo = [install_hook_gates(module, "module", MODULE_HOOKS, self.around)]
         if datamodule is not None:
             self._undo.append(install_hook_gates(datamodule, "datamodule", DATAMODULE_HOOKS, self.around))
-        if saves_on_workers(module, self.worker_callbacks):
+        if saves_on_workers(module, datamodule, self.worker_callbacks):
             self._undo.append(
                 install_hook_gates(module, "checkpoint", ["on_save_checkpoint"], self.requests.on_save_checkpoint)
+            )
+        if datamodule_saves(datamodule):
+            self._undo.append(
+                install_hook_gates(datamodule, "checkpoint", ["state_dict"], self.requests.datamodule_state_dict)
             )
         self._undo.append(mirror_metrics(self._trainer, self))
         self._undo.append(take_in_bulk(self._trainer, self))
@@ -364,7 +369,7 @@ class StageSession:
             self._plan.max_ahead,
             self._snapshots,
             plateau_intervals(self._trainer.lr_scheduler_configs),
-            states_can_travel(self._module, self.worker_callbacks, self.sharded),
+            states_can_travel(self._module, self._datamodule, self.worker_callbacks, self.sharded),
         )
         plan = dataclasses.replace(plan, notices=self._plan.notices)
         if plan == self._plan:
@@ -451,7 +456,7 @@ class StageSession:
         module = self._module
         assert entry.attributes is not None  # rank 0's end entry of a stage that ran to its end has them
         taken = cloudpickle.loads(entry.attributes)
-        take_attributes(taken, module, self.worker_callbacks)
+        take_attributes(taken, module, self._datamodule, self.worker_callbacks)
         if entry.rng is not None:
             lightning_compat.set_rng_states(entry.rng)
         if stage == "predict":

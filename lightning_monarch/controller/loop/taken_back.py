@@ -1,11 +1,12 @@
-"""What the controller's module and worker callbacks take of rank 0's at the end of a stage.
+"""What the controller's module, datamodule and worker callbacks take of rank 0's at the end of a stage.
 
 Runs on the controller, for ``StageSession.finish``. Under DDP the script's process is rank 0, so
-after a stage its module and callbacks hold what rank 0's hold. The end entry of a stage carries
-rank 0's public attributes of the module (with its ``hparams``) and of each worker callback
-(``worker.state``): the controller's objects take them, and keep their own of those that could not
-travel, with a warning that names them. After an unsharded ``fit``, the controller's Trainer also
-takes rank 0's optimizers and LR schedulers in place of its stand-ins (:func:`take_optimizers`).
+after a stage its module, datamodule and callbacks hold what rank 0's hold. The end entry of a stage
+carries rank 0's public attributes of the module (with its ``hparams``) and the attributes of each
+worker callback (``worker.state``): the controller's objects take them, and keep their own of those
+that could not travel, with a warning that names them. A datamodule with a ``state_dict`` of its own
+loads rank 0's. After an unsharded ``fit``, the controller's Trainer also takes rank 0's optimizers
+and LR schedulers in place of its stand-ins (:func:`take_optimizers`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import collections
 import io
 import pickle
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_monarch.wire.reports import (
@@ -30,9 +31,15 @@ from lightning_monarch.wire.reports import (
 )
 
 
-def take_attributes(taken: TakenBack, module: Any, worker_callbacks: list[Any]) -> None:
-    """Give ``module`` and ``worker_callbacks`` (in the stage's order) rank 0's attributes."""
+def take_attributes(
+    taken: TakenBack, module: Any, datamodule: Optional[LightningDataModule], worker_callbacks: list[Any]
+) -> None:
+    """Give ``module`` and ``worker_callbacks`` (in the stage's order) rank 0's attributes, and
+    ``datamodule`` rank 0's state through its own ``load_state_dict``, where its class defines a
+    ``state_dict``: a checkpoint written after the stage holds rank 0's, as under ``ddp``."""
     _take(module, taken.module, "module")
+    if datamodule is not None and taken.datamodule_state is not None:
+        datamodule.load_state_dict(taken.datamodule_state)
     for callback, attributes in zip(worker_callbacks, taken.callbacks, strict=True):
         _take(callback, attributes, "callback")
 
