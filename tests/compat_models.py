@@ -620,3 +620,27 @@ class CountingDataModule(ClassificationDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.served = state_dict["served"]
+
+
+class TestKeepingClassifier(Classifier):
+    """Keeps what its test saw, as nequip keeps its test metrics: each step's loss in a list, their
+    stack in an attribute set in ``on_test_epoch_end``, and a torchmetrics metric (a submodule, whose
+    states are its plain attributes) updated in ``test_step`` and read after ``trainer.test``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.test_mean = torchmetrics.MeanMetric()
+        self.test_losses: list[torch.Tensor] = []
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.test_mean.update(loss)
+        self.test_losses.append(loss.detach())
+
+    def on_test_epoch_end(self) -> None:
+        self.test_summary = torch.stack(self.test_losses)
+
+    def kept(self) -> dict[str, Any]:
+        """What the script reads of the module after the stages."""
+        return {"summary": self.test_summary, "mean": self.test_mean.mean_value, "weight": self.test_mean.weight}

@@ -110,8 +110,12 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "bf16_mixed": lambda out: Case(models.Classifier(), {"precision": "bf16-mixed"}),
     "double": lambda out: Case(models.Classifier(), {"precision": "64-true"}),
     "resume": lambda out: Case(compat.CheckpointHooksClassifier(), {"max_epochs": 1}, stages=("fit", "resume")),
+    "test_state": lambda out: Case(compat.TestKeepingClassifier(), {"max_epochs": 1}, stages=("fit", "test")),
     "datamodule_state": lambda out: Case(
-        models.DataModuleClassifier(), {"max_epochs": 1}, datamodule=compat.CountingDataModule(), stages=("fit", "resume")
+        models.DataModuleClassifier(),
+        {"max_epochs": 1},
+        datamodule=compat.CountingDataModule(),
+        stages=("fit", "resume"),
     ),
     "fit_again": lambda out: Case(
         models.Classifier(), {"max_epochs": 1}, stages=("fit", "fit_more", "test_best", "test_default")
@@ -492,6 +496,8 @@ def _run(name: str, strategy: str, out_dir: Path, case: Case, hosts: Any) -> Opt
     logs = out_dir / "logs" / "version_0"
     if hasattr(model, "losses"):
         results["losses"] = model.losses
+    if hasattr(model, "kept"):
+        results["kept"] = model.kept()
     results.update(
         weights={key: value.detach().cpu() for key, value in _final_weights(trainer, model).items()},
         callback_metrics=_floats(trainer.callback_metrics),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
@@ -125,6 +125,9 @@ class TakenBack:
 
     module: Attributes
     callbacks: list[Attributes]
+    #: The plain attributes of the module's submodules that the stage changed (a metric's states),
+    #: pickled, by the submodule's path and the attribute's name (``worker.module_attributes``).
+    submodules: dict[tuple[str, str], bytes] = field(default_factory=dict)
     #: Rank 0's datamodule's ``state_dict``, where its class defines one.
     datamodule_state: Optional[dict[str, Any]] = None
     #: The skeleton of rank 0's optimizers and schedulers after an unsharded ``fit``.

@@ -32,8 +32,11 @@ Key = tuple[str, str]
 class PlainAttributes:
     """Runs on a worker: the plain attributes of one rank's module, as pickled bytes."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, submodules_only: bool = False) -> None:
+        """``submodules_only``: leave out the module's own attributes (``worker.state`` sends them
+        at a stage's end with its ``hparams``)."""
         self._module = module
+        self._submodules_only = submodules_only
 
     def read(self) -> dict[Key, bytes]:
         """Every plain attribute that pickles, now (with cloudpickle, as the module reached the
@@ -41,6 +44,8 @@ class PlainAttributes:
         a generator) cannot travel, and stays on each side as it is."""
         found: dict[Key, bytes] = {}
         for path, module in self._module.named_modules():
+            if self._submodules_only and not path:
+                continue
             for name, value in vars(module).items():
                 if name.startswith("_") or name == "training" or callable(value):
                     continue

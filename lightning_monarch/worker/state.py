@@ -24,17 +24,22 @@ from lightning_monarch.wire.reports import Attributes, CheckpointState, RankValu
 from lightning_monarch.wire.specs import RankSnapshot
 from lightning_monarch.worker import optimizers
 from lightning_monarch.worker.describe import cpu_copy, to_cpu
+from lightning_monarch.worker.module_attributes import PlainAttributes
 
 
 class RankState:
     """Runs in each worker: this rank's Trainer state for the controller's out-of-band requests
     (R5), its checkpoint state, and its recovery snapshots, written and restored."""
 
-    def __init__(self, trainer: Trainer, rank: int, callbacks: list[Any]) -> None:
-        """``callbacks``: the stage's worker callbacks, in the order its payload gave them."""
+    def __init__(self, trainer: Trainer, rank: int, callbacks: list[Any], module: LightningModule) -> None:
+        """``callbacks``: the stage's worker callbacks, in the order its payload gave them;
+        ``module``: the stage's module, as the controller sent it."""
         self._trainer = trainer
         self._rank = rank
         self._callbacks = callbacks
+        #: Rank 0's: the plain attributes of the module's submodules as the stage starts.
+        self._submodules = PlainAttributes(module, submodules_only=True)
+        self._submodules_start = self._submodules.read() if rank == 0 else {}
         #: A validation worker's: the training rank's checkpoint state of the step it validates,
         #: which stands for its own (``worker.async_validation``).
         self.validated: Optional[CheckpointState] = None
@@ -76,7 +81,8 @@ class RankState:
 
     def taken_back(self, with_optimizers: bool) -> TakenBack:
         """What the controller's module, datamodule and worker callbacks take of this rank's at the
-        end of a stage, and ``with_optimizers`` its optimizers and schedulers. A callback's attribute that
+        end of a stage (the plain attributes of the module's submodules that the stage changed: a
+        metric's states), and ``with_optimizers`` its optimizers and schedulers. A callback's attribute that
         holds this rank's live Trainer, module or optimizers stays here without a word: the
         controller's instance keeps its own."""
         skeleton, refused = None, None
@@ -91,7 +97,8 @@ class RankState:
         datamodule = self._trainer.datamodule  # type: ignore[attr-defined]
         saves = datamodule is not None and is_overridden("state_dict", datamodule, LightningDataModule)
         datamodule_state = self.datamodule_state_dict() if saves else None
-        return TakenBack(self.module_attributes(), callbacks, datamodule_state, skeleton, refused)
+        submodules = self._submodules.changed_since(self._submodules_start)
+        return TakenBack(self.module_attributes(), callbacks, submodules, datamodule_state, skeleton, refused)
 
     def module_children(self) -> dict[str, Any]:
         """The module's direct submodules (on CPU after the stage's teardown): the controller takes

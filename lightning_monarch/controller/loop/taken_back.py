@@ -34,10 +34,14 @@ from lightning_monarch.wire.reports import (
 def take_attributes(
     taken: TakenBack, module: Any, datamodule: Optional[LightningDataModule], worker_callbacks: list[Any]
 ) -> None:
-    """Give ``module`` and ``worker_callbacks`` (in the stage's order) rank 0's attributes, and
+    """Give ``module`` (its submodules too) and ``worker_callbacks`` (in the stage's order) rank 0's attributes, and
     ``datamodule`` rank 0's state through its own ``load_state_dict``, where its class defines a
     ``state_dict``: a checkpoint written after the stage holds rank 0's, as under ``ddp``."""
     _take(module, taken.module, "module")
+    submodules = dict(module.named_modules())
+    for (path, name), data in taken.submodules.items():
+        if path in submodules:  # not where ``configure_model`` made it on the workers only
+            setattr(submodules[path], name, pickle.loads(data))
     if datamodule is not None and taken.datamodule_state is not None:
         datamodule.load_state_dict(taken.datamodule_state)
     for callback, attributes in zip(worker_callbacks, taken.callbacks, strict=True):
