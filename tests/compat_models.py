@@ -644,3 +644,21 @@ class TestKeepingClassifier(Classifier):
     def kept(self) -> dict[str, Any]:
         """What the script reads of the module after the stages."""
         return {"summary": self.test_summary, "mean": self.test_mean.mean_value, "weight": self.test_mean.weight}
+
+
+class BatchReader(L.Callback):
+    """Reads each batch and the step's outputs in its batch hooks, as a callback that writes each
+    test batch's predictions to files does (nequip's ``TestTimeXYZFileWriter``)."""
+
+    def __init__(self) -> None:
+        self.record: list[tuple[Any, ...]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.record.append(("train", batch_idx, float(x.sum()), float(outputs["loss"])))
+
+    def on_test_batch_end(
+        self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        x, y = batch
+        self.record.append(("test", batch_idx, float(x.sum()), int(y.sum())))

@@ -110,6 +110,9 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "bf16_mixed": lambda out: Case(models.Classifier(), {"precision": "bf16-mixed"}),
     "double": lambda out: Case(models.Classifier(), {"precision": "64-true"}),
     "resume": lambda out: Case(compat.CheckpointHooksClassifier(), {"max_epochs": 1}, stages=("fit", "resume")),
+    "batch_reader": lambda out: Case(
+        models.Classifier(), {"max_epochs": 1}, [compat.BatchReader()], stages=("fit", "test")
+    ),
     "test_state": lambda out: Case(compat.TestKeepingClassifier(), {"max_epochs": 1}, stages=("fit", "test")),
     "datamodule_state": lambda out: Case(
         models.DataModuleClassifier(),

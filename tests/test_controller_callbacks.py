@@ -16,6 +16,7 @@ import pytest
 import torch
 from finetuning_scheduler import FinetuningScheduler, FTSCheckpoint, FTSEarlyStopping
 from lightning.pytorch.callbacks import (
+    EarlyStopping,
     EMAWeightAveraging,
     LambdaCallback,
     ModelPruning,
@@ -25,6 +26,7 @@ from lightning.pytorch.callbacks import (
     Timer,
     TQDMProgressBar,
 )
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch import DivergenceError, MonarchStrategy, on_controller
 from lightning_monarch.controller.loop.callbacks import CallbackPlacement
@@ -277,3 +279,50 @@ def test_optimizers_that_cannot_travel_leave_the_stand_ins_with_a_warning() -> N
         trainer = _fit(LockedSchedule(), enable_progress_bar=False, limit_train_batches=2, limit_val_batches=0)
     assert not isinstance(trainer.optimizers[0], torch.optim.SGD)
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.05
+
+
+class ReadsRenamedBatch(L.Callback):
+    def on_validation_batch_start(self, trainer: Any, module: Any, b: Any, index: int, loader: int = 0) -> None:
+        self.size = len(b)
+
+
+class ReadsArgs(L.Callback):
+    def on_predict_batch_end(self, trainer: Any, *args: Any) -> None:
+        self.seen = args
+
+
+class ReadsInAClosure(L.Callback):
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self.sizes = lambda: len(batch)
+
+
+class ReadsOutputsOnly(L.Callback):
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.loss = outputs["loss"]
+
+
+class StopsOnABatch(EarlyStopping):
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.last = batch
+
+
+def test_a_callback_that_reads_the_batch_runs_on_the_workers() -> None:
+    """The controller's loop iterates batch numbers: a batch hook that reads its batch (by any name,
+    through ``*args`` or a closure) runs where the batch is (parity: ``batch_reader``); one that
+    reads only the step's outputs, which the controller gets from rank 0, stays there."""
+    lambdas = LambdaCallback(on_test_batch_end=lambda trainer, module, outputs, batch, index, loader=0: batch)
+    readers = [ReadsRenamedBatch(), ReadsArgs(), ReadsInAClosure(), lambdas]
+    assert CallbackPlacement(readers, []).workers == readers
+    assert CallbackPlacement([ReadsOutputsOnly()], []).workers == []  # not beside a companion on the workers
+
+
+@pytest.mark.parametrize(
+    ("callback", "fix"),
+    [
+        (StopsOnABatch(monitor="val_loss"), r"Read what it needs of the step from `outputs`"),
+        (on_controller(ReadsRenamedBatch()), r"drop `lightning_monarch.on_controller\(ReadsRenamedBatch\)`"),
+    ],
+)
+def test_a_callback_that_reads_the_batch_on_the_controller_is_refused(callback: L.Callback, fix: str) -> None:
+    with pytest.raises(MisconfigurationException, match=rf"\.on_\w+_batch_\w+` reads its `batch`.*{fix}"):
+        CallbackPlacement([callback], [])

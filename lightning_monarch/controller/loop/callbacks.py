@@ -3,10 +3,11 @@
 Runs on the controller. The controller's module is a mirror without live parameters, gradients,
 batches or devices, so a callback runs where what it touches lives:
 
-- on the workers, on every rank as under DDP, when it reads or changes the live model: Lightning's
-  own callbacks that do so by their class (:data:`_NEED_LIVE_MODEL`), any callback that overrides a
-  hook that sees live gradients (:data:`GRADIENT_HOOKS`), and those the user places there with
-  :func:`on_workers` or ``MonarchStrategy(worker_callbacks=[...])``;
+- on the workers, on every rank as under DDP, when it reads or changes the live model or batches:
+  Lightning's own callbacks that do so by their class (:data:`_NEED_LIVE_MODEL`), any callback that
+  overrides a hook that sees live gradients (:data:`GRADIENT_HOOKS`) or whose batch hook reads its
+  ``batch`` (:func:`batch_reader`: the controller's loop iterates batch numbers), and those the user
+  places there with :func:`on_workers` or ``MonarchStrategy(worker_callbacks=[...])``;
 - on the controller, once, when it reads metrics, steers the loop, writes rank-0 files or draws:
   every other callback, and those the user places there with :func:`on_controller`.
 
@@ -16,6 +17,8 @@ the stage runs (:class:`CallbackPlacement`) and has them back afterwards, in the
 
 from __future__ import annotations
 
+import dis
+import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Optional, TypeVar, Union
@@ -157,12 +160,60 @@ def _gradient_hook(callback: Any) -> Optional[str]:
     return next((hook for hook in GRADIENT_HOOKS if is_overridden(hook, callback, Callback)), None)
 
 
+#: Lightning's batch hooks, by where their ``batch`` argument is among those after ``self``.
+BATCH_HOOKS = {
+    f"on_{stage}_batch_{when}": 2 if when == "start" else 3
+    for stage in ("train", "validation", "test", "predict")
+    for when in ("start", "end")
+}
+
+
+def batch_reader(callback: Any) -> Optional[str]:
+    """The first batch hook that ``callback`` overrides and whose code reads its ``batch`` argument
+    (by position, whatever its name; a nested function's read counts), or ``None``. The workers
+    hold the batches: the controller's loop iterates batch numbers."""
+    for hook, position in BATCH_HOOKS.items():
+        if not is_overridden(hook, callback, Callback):
+            continue
+        function = getattr(callback, hook)
+        code = getattr(getattr(function, "__func__", function), "__code__", None)
+        argument = _argument_at(function, position)
+        if code is None or argument is None:
+            continue
+        if argument in code.co_cellvars or any(
+            _loads(instruction, argument) for instruction in dis.get_instructions(code)
+        ):
+            return hook
+    return None
+
+
+def _argument_at(function: Callable[..., Any], position: int) -> Optional[str]:
+    """The name of ``function``'s parameter that takes the positional argument at ``position``
+    (``args`` of a ``*args`` before it), or ``None`` where none does."""
+    for index, parameter in enumerate(inspect.signature(function).parameters.values()):
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            return parameter.name
+        if index == position:
+            return parameter.name if parameter.kind is not inspect.Parameter.KEYWORD_ONLY else None
+    return None
+
+
+def _loads(instruction: dis.Instruction, name: str) -> bool:
+    """Whether ``instruction`` reads the local variable ``name`` (Python 3.13 reads two at once)."""
+    if not instruction.opname.startswith("LOAD_"):
+        return False
+    value = instruction.argval
+    return value == name or (isinstance(value, tuple) and name in value)
+
+
 def runs_on_workers(callback: Callback) -> bool:
     """Whether ``callback``, given to the controller's Trainer, runs on the workers."""
     placed = getattr(callback, _PLACED, None)
     if placed is not None:
         return placed == "workers"
-    return isinstance(callback, tuple(_NEED_LIVE_MODEL)) or _gradient_hook(callback) is not None
+    if isinstance(callback, tuple(_NEED_LIVE_MODEL)) or _gradient_hook(callback) is not None:
+        return True
+    return not isinstance(callback, _CONTROLLER_ONLY) and batch_reader(callback) is not None
 
 
 class CallbackPlacement:
@@ -196,6 +247,9 @@ class CallbackPlacement:
         ]
         placed = [callback for callback in callbacks if runs_on_workers(callback) or callback in companions]
         self.workers: list[Callback] = [*worker_callbacks, *placed]
+        for callback in callbacks:
+            if callback not in self.workers and (hook := batch_reader(callback)) is not None:
+                _reject_batch_reader(callback, hook)
         check_worker_callbacks([callback for callback in self.workers if callback not in companions])
 
     @property
@@ -270,6 +324,21 @@ def check_worker_callbacks(callbacks: Iterable[Callback]) -> None:
                 f" strategy='monarch'; it cannot run on the workers. Pass it to `Trainer(callbacks=[{name}(...)])`"
                 " without `lightning_monarch.on_workers` or `MonarchStrategy(worker_callbacks=...)`."
             )
+
+
+def _reject_batch_reader(callback: Callback, hook: str) -> None:
+    """Refuse a callback that stays on the controller (placed there, or one that must see the whole
+    run once) and reads the batch in ``hook``, which the controller does not hold."""
+    name = type(callback).__name__
+    fix = (
+        f"Let it run on the workers, as every ddp rank runs it: drop `lightning_monarch.on_controller({name})`."
+        if getattr(callback, _PLACED, None) == "controller"
+        else "Read what it needs of the step from `outputs` (rank 0's step outputs) or `trainer.callback_metrics`."
+    )
+    raise MisconfigurationException(
+        f"`{name}.{hook}` reads its `batch`, which only the workers hold under strategy='monarch' (the"
+        f" controller's loop iterates batch numbers), and `{name}` runs on the controller. {fix}"
+    )
 
 
 def _refusal(callback: Callback) -> Optional[tuple[str, str]]:
