@@ -110,3 +110,19 @@ def test_a_value_that_cannot_be_pickled_is_told_apart_by_its_data(script: object
             CarriedState(ImportedState({}, {}, state.untravelled))
     else:
         CarriedState(ImportedState({}, {}, state.untravelled)).undo()
+
+
+#: A library's settings object, held by a module the stage refers to.
+LIBRARY_SETTINGS = Settings()
+
+
+def test_a_setting_that_cannot_be_pickled_is_refused_where_the_import_differs() -> None:
+    LIBRARY_SETTINGS.verbose = threading.Lock()  # type: ignore[assignment]
+    try:
+        state = gather([], [__name__], travel_error)
+    finally:
+        LIBRARY_SETTINGS.verbose = False
+    key = (__name__, "LIBRARY_SETTINGS")
+    assert "verbose" not in state.settings[key] and state.untravelled[key]["verbose"][0] == Untravelled("_thread.lock")
+    with pytest.raises(TypeError, match=r"`tests.test_imported_state.LIBRARY_SETTINGS.verbose` on the controller to a"):
+        CarriedState(ImportedState({}, {}, state.untravelled))

@@ -98,9 +98,10 @@ class ImportedState:
     #: The public settings (properties with a setter, public attributes) of each object a module
     #: holds that is of a library's class (``scvi.settings``), by the module's name and the object's.
     settings: dict[tuple[str, str], dict[str, Any]]
-    #: The data attributes that cannot be pickled, as the class or module of :attr:`attributes`
-    #: holds them: each one :func:`described`, and why it cannot be pickled, by name.
-    untravelled: dict[Union[type, str], dict[str, tuple[Any, str]]] = field(default_factory=dict)
+    #: The values that cannot be pickled, as the class or module of :attr:`attributes` or the
+    #: settings object of :attr:`settings` holds them: each one :func:`described`, and why it
+    #: cannot be pickled, by name.
+    untravelled: dict[Union[type, str, tuple[str, str]], dict[str, tuple[Any, str]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -66,15 +66,16 @@ class CarriedState:
 
     def __init__(self, state: ImportedState) -> None:
         self._replaced: list[tuple[Any, str, Any]] = []
-        for key, values in state.attributes.items():
-            holder = _holder(key)
+        for held, values in state.attributes.items():
+            holder = _holder(held)
             self._take(holder, values, vars(holder).get)
-        for (module, name), values in state.settings.items():
-            settings = getattr(importlib.import_module(module), name)
+        for named, values in state.settings.items():
+            settings = _holder(named)
             self._take(settings, values, functools.partial(getattr, settings))
         for key, untravelled in state.untravelled.items():
+            holder = _holder(key)
             for name, (theirs, why) in untravelled.items():
-                mine = vars(_holder(key)).get(name, _MISSING)
+                mine = getattr(holder, name, _MISSING) if isinstance(key, tuple) else vars(holder).get(name, _MISSING)
                 if mine is _MISSING or not _fits(mine, theirs):
                     self.undo()
                     raise _changed_beyond_pickling(key, name, theirs.type, why, mine)
@@ -98,14 +99,17 @@ class CarriedState:
 
 
 def _holder(key: Any) -> Any:
-    """The class of an :class:`ImportedState` key, or the module it names."""
+    """The class of an :class:`ImportedState` key, the module it names, or the settings object
+    that a ``(module, name)`` key names."""
+    if isinstance(key, tuple):
+        return getattr(importlib.import_module(key[0]), key[1])
     return importlib.import_module(key) if isinstance(key, str) else key
 
 
 def _changed_beyond_pickling(key: Any, name: str, theirs: str, why: str, mine: Any) -> TypeError:
     """The error for an attribute the script set to a value that cannot be pickled (``theirs``, its
     type's name, and ``why``) where this process's import holds ``mine``."""
-    where = key if isinstance(key, str) else type_name(key)
+    where = key if isinstance(key, str) else ".".join(key) if isinstance(key, tuple) else type_name(key)
     held = "nothing" if mine is _MISSING else f"a `{type_name(type(mine))}`"
     return TypeError(
         f"The script set `{where}.{name}` on the controller to a `{theirs}`, which cannot be pickled ({why}), so"

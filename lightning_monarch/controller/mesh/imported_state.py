@@ -97,15 +97,15 @@ def gather(classes: Iterable[type], modules: Iterable[str], travel_error: Callab
     """The state of ``classes`` and of the ``modules`` (by name) that the payload refers to, and of
     the packages above them; a value for which ``travel_error`` gives an error is left out."""
 
-    untravelled: dict[Union[type, str], dict[str, tuple[Any, str]]] = {}
+    untravelled: dict[Union[type, str, tuple[str, str]], dict[str, tuple[Any, str]]] = {}
 
-    def travelling(values: dict[str, Any], holder: Union[type, str, None] = None) -> dict[str, Any]:
+    def travelling(values: dict[str, Any], holder: Union[type, str, tuple[str, str]]) -> dict[str, Any]:
         travel = {}
         for name, value in values.items():
             error = travel_error(value)
             if error is None:
                 travel[name] = value
-            elif holder is not None:
+            else:
                 why = f"{type(error).__name__}: {error}"
                 untravelled.setdefault(holder, {})[name] = (described(value, travel_error), why)
         return travel
@@ -121,7 +121,7 @@ def gather(classes: Iterable[type], modules: Iterable[str], travel_error: Callab
             if name.startswith("_") or callable(value) or not _data(name, value):
                 continue  # private bookkeeping, or code (a ufunc, a model object), not a setting
             if hasattr(value, "__dict__") and _library_class(type(value)):
-                if found := travelling(public_settings(value)):
+                if found := travelling(public_settings(value), (module, name)):
                     settings[(module, name)] = found
             elif type(value).__module__ == "builtins":
                 data[name] = value
