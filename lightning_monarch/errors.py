@@ -18,10 +18,9 @@ class WorkerError(RuntimeError):
     remote traceback, so Lightning's ``on_exception`` and teardown run as for a local error."""
 
     def __init__(self, failure: WorkerFailure) -> None:
-        where = f" in `{failure.hook}`" if failure.hook else ""
         super().__init__(
             f"Worker rank {failure.rank} on host {failure.host} raised"
-            f" {failure.exception_type}{where}: {failure.message}{_under_monarch(failure.message)}\n\n"
+            f" {failure.exception_type}{failure.where}: {failure.message}{_under_monarch(failure.message)}\n\n"
             f"Remote traceback (rank {failure.rank}):\n{failure.traceback}"
         )
         self.failure = failure

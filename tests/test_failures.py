@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lightning_monarch import MeshFailureError, WorkerError
+from tests.compat_models import NormClassifier
 from tests.conftest import worker_processes
 from tests.models import Classifier
 
@@ -78,6 +79,13 @@ def test_worker_exception_names_rank_and_hook(hook: str, rank: int) -> None:
     assert recorder.seen == [error.value], "the controller's callbacks saw on_exception"
     assert trainer.state.status == "interrupted"
     assert not worker_processes()
+
+
+def test_an_exception_raised_between_hooks_names_the_hook_before_it() -> None:
+    """``sync_batchnorm=True`` on CPU workers: Lightning's DDP wrapping, after the setup hooks
+    returned, raises DDP's own error, as under ``ddp``; no hook raised it, and none is blamed."""
+    with pytest.raises(WorkerError, match=r"raised ValueError after `module.setup` returned: SyncBatchNorm layers"):
+        _trainer(sync_batchnorm=True).fit(NormClassifier())
 
 
 def test_fit_works_again_after_a_worker_failure() -> None:

@@ -53,11 +53,25 @@ class WorkerFailure:
     #: The memory the worker had in use when it failed, in MiB: its GPU's allocated memory, or on a
     #: CPU worker its process's resident size.
     memory_mib: Optional[float] = None
+    #: Where no hook raised it: the last hook that had returned (Lightning's own code, or a loader's,
+    #: raised it after that hook: wrapping the module in DDP after ``configure_model``).
+    after: Optional[str] = None
+
+    @property
+    def where(self) -> str:
+        """Where it was raised, as a message says it: in the hook, after the hook that returned last,
+        or nothing where neither is known."""
+        if self.hook is not None:
+            return f" in `{self.hook}`"
+        return f" after `{self.after}` returned" if self.after is not None else ""
 
     @classmethod
-    def capture(cls, error: BaseException, rank: int, hook: Optional[str], memory_mib: float) -> WorkerFailure:
-        """Describe ``error``, raised on this host at rank ``rank`` in ``hook`` with ``memory_mib`` in
-        use (``worker.stats.memory_in_use_mib``), with its traceback."""
+    def capture(
+        cls, error: BaseException, rank: int, hook: Optional[str], memory_mib: float, after: Optional[str] = None
+    ) -> WorkerFailure:
+        """Describe ``error``, raised on this host at rank ``rank`` in ``hook`` (or outside any hook,
+        ``after`` one returned) with ``memory_mib`` in use (``worker.stats.memory_in_use_mib``), with
+        its traceback."""
         return cls(
             rank=rank,
             host=socket.gethostname(),
@@ -66,6 +80,7 @@ class WorkerFailure:
             message=str(error),
             traceback="".join(traceback.format_exception(error)),
             memory_mib=memory_mib,
+            after=after,
         )
 
 

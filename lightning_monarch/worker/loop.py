@@ -466,10 +466,15 @@ class StageLoop:
         except BaseException as error:
             self._free_running = True
             self._examine(error)
-            end = Entry(
-                None,
-                failure=WorkerFailure.capture(error, self._rank, self._failed_gate or self._gate, memory_in_use_mib()),
+            # where no hook raised it, the last gate only says what ran before
+            failure = WorkerFailure.capture(
+                error,
+                self._rank,
+                self._failed_gate,
+                memory_in_use_mib(),
+                after=None if self._failed_gate else self._gate,
             )
+            end = Entry(None, failure=failure)
         else:
             if any(isinstance(item, Release) for item in self._inbox):
                 divergence = DivergenceError(

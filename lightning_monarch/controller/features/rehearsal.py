@@ -242,8 +242,8 @@ def rehearse(
             failure = error.failure
             memory = f"{failure.memory_mib:.0f} MiB" if failure.memory_mib is not None else "unknown"
             raise RehearsalError(
-                f"The rehearsal failed: worker rank {failure.rank} raised {failure.exception_type} in"
-                f" `{failure.hook}` with {memory} of memory in use: {failure.message}",
+                f"The rehearsal failed: worker rank {failure.rank} raised {failure.exception_type}{failure.where}"
+                f" with {memory} of memory in use: {failure.message}",
                 failure,
             ) from error
         path = os.path.join(scratch, "rehearsal.ckpt")
