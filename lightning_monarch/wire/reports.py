@@ -67,11 +67,11 @@ class WorkerFailure:
 
     @classmethod
     def capture(
-        cls, error: BaseException, rank: int, hook: Optional[str], memory_mib: float, after: Optional[str] = None
+        cls, error: BaseException, rank: int, hook: Optional[str], memory_mib: float, last: Optional[str] = None
     ) -> WorkerFailure:
-        """Describe ``error``, raised on this host at rank ``rank`` in ``hook`` (or outside any hook,
-        ``after`` one returned) with ``memory_mib`` in use (``worker.stats.memory_in_use_mib``), with
-        its traceback."""
+        """Describe ``error``, raised on this host at rank ``rank`` in ``hook`` (``None``: outside any
+        hook, after ``last``, the last hook that ran, returned) with ``memory_mib`` in use
+        (``worker.stats.memory_in_use_mib``), with its traceback."""
         return cls(
             rank=rank,
             host=socket.gethostname(),
@@ -80,7 +80,7 @@ class WorkerFailure:
             message=str(error),
             traceback="".join(traceback.format_exception(error)),
             memory_mib=memory_mib,
-            after=after,
+            after=last if hook is None else None,
         )
 
 

@@ -466,14 +466,7 @@ class StageLoop:
         except BaseException as error:
             self._free_running = True
             self._examine(error)
-            # where no hook raised it, the last gate only says what ran before
-            failure = WorkerFailure.capture(
-                error,
-                self._rank,
-                self._failed_gate,
-                memory_in_use_mib(),
-                after=None if self._failed_gate else self._gate,
-            )
+            failure = WorkerFailure.capture(error, self._rank, self._failed_gate, memory_in_use_mib(), self._gate)
             end = Entry(None, failure=failure)
         else:
             if any(isinstance(item, Release) for item in self._inbox):
