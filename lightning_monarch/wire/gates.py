@@ -13,9 +13,9 @@ import copy
 import functools
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Optional
 
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, LightningDataModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_monarch.wire.protocol import CALLBACK_HOOKS, GATES, gate_id
@@ -24,6 +24,13 @@ _ABSENT = object()
 
 #: ``around(gate, fn, args, kwargs)``: runs ``fn(*args, **kwargs)`` at gate ``gate``.
 Around = Callable[[str, Callable[..., Any], tuple, dict], Any]
+
+
+def datamodule_saves(datamodule: Optional[LightningDataModule]) -> bool:
+    """Whether ``datamodule`` puts a state of its own in checkpoints (``state_dict``): rank 0's,
+    which set up and served the data, is the one a ``ddp`` checkpoint holds, so the controller's
+    checkpoints ask rank 0 for it and a stage's end brings it back to the controller's datamodule."""
+    return datamodule is not None and is_overridden("state_dict", datamodule, LightningDataModule)
 
 
 def install_hook_gates(obj: Any, owner: str, hooks: Iterable[str], around: Around) -> Callable[[], None]:

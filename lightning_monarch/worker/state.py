@@ -14,11 +14,10 @@ from typing import Any, Optional
 import cloudpickle
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 from lightning_monarch._compat import lightning as lightning_compat
-from lightning_monarch.wire.gates import GateCallback
+from lightning_monarch.wire.gates import GateCallback, datamodule_saves
 from lightning_monarch.wire.protocol import METRIC_VIEWS, MODULE_HOOKS
 from lightning_monarch.wire.reports import Attributes, CheckpointState, RankValue, TakenBack
 from lightning_monarch.wire.specs import RankSnapshot
@@ -94,8 +93,7 @@ class RankState:
         callbacks = [
             _attributes(callback, _LiveRefusing.check, private=True, nested=_NESTED) for callback in self._callbacks
         ]
-        datamodule = self._trainer.datamodule  # type: ignore[attr-defined]
-        saves = datamodule is not None and is_overridden("state_dict", datamodule, LightningDataModule)
+        saves = datamodule_saves(self._trainer.datamodule)  # type: ignore[attr-defined]
         datamodule_state = self.datamodule_state_dict() if saves else None
         submodules = self._submodules.changed_since(self._submodules_start)
         return TakenBack(self.module_attributes(), callbacks, submodules, datamodule_state, skeleton, refused)

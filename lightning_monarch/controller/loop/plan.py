@@ -44,6 +44,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.features.stats import MeshStatsMonitor
 from lightning_monarch.controller.loop.callbacks import callback_class
+from lightning_monarch.wire.gates import datamodule_saves
 from lightning_monarch.wire.protocol import (
     CALLBACK_HOOKS,
     SNAPSHOT_GATE,
@@ -193,12 +194,6 @@ def saves_on_workers(
         or datamodule_saves(datamodule)
         or any(is_overridden("on_save_checkpoint", callback, Callback) for callback in worker_callbacks)
     )
-
-
-def datamodule_saves(datamodule: Optional[LightningDataModule]) -> bool:
-    """Whether ``datamodule`` puts a state of its own in checkpoints (``state_dict``): rank 0's,
-    which set up and served the data, is the one a ``ddp`` checkpoint holds."""
-    return datamodule is not None and is_overridden("state_dict", datamodule, LightningDataModule)
 
 
 def make_plan(

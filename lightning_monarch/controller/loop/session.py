@@ -37,7 +37,6 @@ from lightning_monarch.controller.loop.mirrors import WorkerLoaders, follow_opti
 from lightning_monarch.controller.loop.other_ranks import OTHER_RANKS
 from lightning_monarch.controller.loop.plan import (
     PLAN_GATES,
-    datamodule_saves,
     is_observe_only,
     make_plan,
     plateau_intervals,
@@ -51,7 +50,7 @@ from lightning_monarch.controller.mesh.channel import StageChannel
 from lightning_monarch.controller.mesh.storages import KeptShards
 from lightning_monarch.controller.mesh.worker_warnings import WorkerWarnings
 from lightning_monarch.errors import DivergenceError
-from lightning_monarch.wire.gates import GateCallback, install_hook_gates
+from lightning_monarch.wire.gates import GateCallback, datamodule_saves, install_hook_gates
 from lightning_monarch.wire.protocol import (
     DATAMODULE_HOOKS,
     GATES,
