@@ -15,6 +15,7 @@ import torch
 import torch.distributed
 import torchmetrics
 from lightning.pytorch.callbacks import BasePredictionWriter, EarlyStopping, LambdaCallback
+from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset
 
@@ -158,11 +159,46 @@ class TrainerAwareClassifier(Classifier):
         self.log("seen_sanity_checking", float(self.trainer.sanity_checking))
 
 
+class AllRankLogger(Logger):
+    """A logger of the user's own that keeps what it is given on every rank (its methods are not
+    ``rank_zero_only``), as in Lightning's ``test_all_rank_logging_ddp_cpu``: module code reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logs: dict[str, float] = {}
+
+    @property
+    def name(self) -> str:
+        return "all_rank"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: Any = None) -> None:
+        self.logs.update(metrics)
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
 class LoggingClassifier(Classifier):
-    """Writes to the logger from module code: ``log_hyperparams`` and ``logger.experiment``."""
+    """Writes to the logger from module code: ``log_hyperparams`` and ``logger.experiment``; reads
+    ``trainer.log_dir`` and what its rank gave its second logger, an :class:`AllRankLogger`."""
 
     def on_train_start(self) -> None:
         self.logger.log_hyperparams({"extra_hparam": 7})
+        self.log(f"rank-{self.global_rank}", 0.0)
+
+    def on_train_end(self) -> None:
+        self.seen = {
+            "log_dir": os.path.relpath(self.trainer.log_dir, self.logger.save_dir),
+            "own_rank_logged": f"rank-{self.global_rank}" in self.loggers[1].logs,
+        }
+
+    def kept(self) -> dict[str, Any]:
+        """What the script reads after the fit: what rank 0's module saw, and its own loggers' keys."""
+        return {**self.seen, "logged_keys": sorted(self.loggers[1].logs)}
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         super().validation_step(batch, batch_idx)

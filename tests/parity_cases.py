@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import (
     SpikeDetection,
     StochasticWeightAveraging,
 )
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.tuner import Tuner
 from monarch.job import ProcessJob
@@ -66,6 +66,8 @@ class Case:
     worker_callbacks: list[L.Callback] = field(default_factory=list)
     loaders: dict[str, Any] = field(default_factory=dict)
     stages: tuple[str, ...] = ("fit",)
+    #: Loggers after the shared ``CSVLogger``.
+    loggers: list[Logger] = field(default_factory=list)
     #: ``False`` runs without the shared ``ModelCheckpoint`` and ``LearningRateMonitor``: no
     #: controller callback then waits for the workers within a training batch.
     default_callbacks: bool = True
@@ -106,7 +108,7 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "one_cycle": lambda out: Case(compat.OneCycleClassifier()),
     "torchmetrics": lambda out: Case(compat.MetricsClassifier()),
     "trainer_access": lambda out: Case(compat.TrainerAwareClassifier()),
-    "module_logging": lambda out: Case(compat.LoggingClassifier()),
+    "module_logging": lambda out: Case(compat.LoggingClassifier(), loggers=[compat.AllRankLogger()]),
     "bf16_mixed": lambda out: Case(models.Classifier(), {"precision": "bf16-mixed"}),
     "double": lambda out: Case(models.Classifier(), {"precision": "64-true"}),
     "resume": lambda out: Case(compat.CheckpointHooksClassifier(), {"max_epochs": 1}, stages=("fit", "resume")),
@@ -424,7 +426,7 @@ def _trainer(strategy: str, out_dir: Path, case: Case, hosts: Any = None, **over
         accelerator="cpu",
         devices=2 if strategy == "monarch" else 2 * case.hosts,
         num_nodes=case.hosts if strategy == "monarch" else 1,
-        logger=CSVLogger(str(out_dir), name="logs", version=0),
+        logger=[CSVLogger(str(out_dir), name="logs", version=0), *case.loggers],
         callbacks=callbacks,
         **{**options, **case.trainer, **overrides},
     )

@@ -1,6 +1,6 @@
 """Callbacks that run once, on the controller, with values from the workers: progress bars, model
 summaries and Timer; collectives a controller callback calls, and what cannot be as under ``ddp``;
-worker callbacks' checkpoint hooks; module attributes that cannot travel back; and
+worker callbacks' checkpoint hooks; module attributes and loggers that cannot travel; and
 ``torch.compile`` applied on the workers in ``configure_model``."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_monarch import DivergenceError, MonarchStrategy, on_controller
 from lightning_monarch.controller.loop.callbacks import CallbackPlacement
-from tests.compat_models import shrink_weights
+from tests.compat_models import AllRankLogger, shrink_weights
 from tests.models import Classifier
 from tests.parity_cases import SEED
 
@@ -279,6 +279,44 @@ def test_optimizers_that_cannot_travel_leave_the_stand_ins_with_a_warning() -> N
         trainer = _fit(LockedSchedule(), enable_progress_bar=False, limit_train_batches=2, limit_val_batches=0)
     assert not isinstance(trainer.optimizers[0], torch.optim.SGD)
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.05
+
+
+class LockedLogger(AllRankLogger):
+    """A logger of the user's own holding a lock, which cannot be pickled."""
+
+    def __init__(self, save_dir: str) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._save_dir = save_dir
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+
+class ReadsItsLogger(Classifier):
+    def on_train_end(self) -> None:
+        self.seen = (self.logger.name, self.logger.version, self.logger.save_dir, self.trainer.log_dir)
+        self.has_logs = hasattr(self.logger, "logs")
+
+
+def test_a_logger_that_cannot_travel_is_a_stand_in_with_a_warning(tmp_path: Path) -> None:
+    """A logger travels to the workers pickled (the parity case ``module_logging`` reads one's own
+    attributes there); where it cannot, the workers' stand-in answers its name, version and folder,
+    and rank 0's calls still reach the controller's logger."""
+    model = ReadsItsLogger()
+    with pytest.warns(UserWarning, match=r"The logger `LockedLogger` cannot be pickled .*\(TypeError.*a stand-in"):
+        trainer = _fit(
+            model,
+            logger=LockedLogger(str(tmp_path)),
+            enable_progress_bar=False,
+            limit_train_batches=2,
+            limit_val_batches=0,
+            log_every_n_steps=1,
+        )
+    assert model.seen == ("all_rank", 0, str(tmp_path), str(tmp_path))
+    assert not model.has_logs
+    assert "train_loss_step" in trainer.logger.logs
 
 
 class ReadsRenamedBatch(L.Callback):

@@ -199,8 +199,9 @@ class StageSpec:
 
     ``fit_loop_state`` is the controller's ``trainer.fit_loop.state_dict()``: a Trainer that ran
     ``fit`` before carries its epoch and step into later stages, and so must each worker's.
-    ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks, trainer)``
-    (``trainer`` a :class:`TrainerSubclass` or ``None``), followed by the :class:`ImportedState`
+    ``payload`` is the cloudpickled ``(module, datamodule, dataloaders, worker_callbacks, trainer,
+    loggers)`` (``trainer`` a :class:`TrainerSubclass` or ``None``; ``loggers`` the Trainer's,
+    ``None`` for one that cannot be pickled), followed by the :class:`ImportedState`
     of the classes and modules they refer to by reference, a
     ``codec.Parcel``: it is pickled once on the controller (where a failure is reported before any
     worker starts), and every worker gets its pickle, while its large storages (the weights) leave
@@ -348,7 +349,8 @@ class WorldSpec:
 
 @dataclass(frozen=True)
 class LoggerIdentity:
-    """What module code on a worker sees of one of the controller's loggers (``self.logger.name``)."""
+    """What one of the controller's loggers answers for its name, version and folders: its copy on
+    each worker (``worker.logger``) answers the same, wherever the worker runs."""
 
     name: Optional[str]
     version: Any

@@ -1,19 +1,27 @@
-"""The loggers a worker's Trainer writes to: recorders whose calls the controller replays.
+"""The loggers a worker's Trainer writes to: the user's, whose rank-0 calls the controller replays.
 
-Runs in each worker. Lightning decides on each rank when to log (``log_every_n_steps``, epoch
-ends) and calls the loggers on rank 0 only; recording those calls, and module code's calls on
-``self.logger.experiment``, and replaying them on the controller's real loggers gives the
-controller exactly the writes DDP's rank 0 would make. A worker gets one recorder per controller
-logger, so ``self.loggers`` has the same length as under DDP.
+Runs in each worker. Each of the controller's loggers travels to the workers pickled (as it would to
+a ``ddp_spawn`` rank), so module code reads its own attributes there as on a DDP rank, and
+``trainer.log_dir`` is the controller's. Lightning decides on each rank when to log
+(``log_every_n_steps``, epoch ends) and calls the loggers on every rank; Lightning's loggers write
+on rank 0 only (their methods are ``rank_zero_only``). On rank 0, the calls that write
+(``log_metrics``, ``log_hyperparams``, and module code's calls on ``self.logger.experiment``) are
+recorded and replayed on the controller's loggers, which gives the controller exactly the writes
+DDP's rank 0 would make; the user's own code of each Logger method still runs on every rank, as
+under DDP, with its rank-zero-only parts left to the controller (:func:`_writes_left_to_controller`).
+A logger that cannot be pickled is a stand-in here, with its name, version and folders.
 """
 
 from __future__ import annotations
 
+import inspect
 from argparse import Namespace
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import fields
 from typing import Any, Optional, Union
 
-from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.fabric.loggers.logger import _DummyExperiment
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
@@ -21,6 +29,15 @@ from typing_extensions import override
 from lightning_monarch.wire.protocol import LoggerCall
 from lightning_monarch.wire.specs import LoggerIdentity
 from lightning_monarch.worker.describe import to_cpu
+
+#: The Logger methods that may write, which run on rank 0 with their rank-zero-only parts skipped.
+_WRITING_METHODS = ("log_graph", "save", "finalize", "after_save_checkpoint")
+
+#: What ``rank_zero_only.rank`` reads while rank 0 runs the user's logger code: any rank but 0.
+_NOT_RANK_ZERO = 1
+
+#: Where Lightning keeps this process's global rank for its ``rank_zero_only`` functions (``.rank``).
+_RANK: Any = rank_zero_only
 
 
 class _ExperimentRecorder:
@@ -39,14 +56,13 @@ class _ExperimentRecorder:
         return call
 
 
-class RecordingLogger(Logger):
-    """Runs in each worker: records the calls rank 0 makes on the controller logger it stands for."""
+class _StandIn(Logger):
+    """A controller logger that cannot be pickled, as workers see it: its name, version and folders
+    (:func:`_recording` answers them), and calls that only record."""
 
-    def __init__(self, index: int, identity: LoggerIdentity, sink: list[LoggerCall]) -> None:
+    def __init__(self, identity: LoggerIdentity) -> None:
         super().__init__()
-        self._index = index
         self._identity = identity
-        self._sink = sink
 
     @property
     @override
@@ -58,36 +74,97 @@ class RecordingLogger(Logger):
     def version(self) -> Any:
         return self._identity.version
 
-    @property
     @override
-    def save_dir(self) -> Optional[str]:
-        return self._identity.save_dir
-
-    @property
-    @override
-    def log_dir(self) -> Optional[str]:
-        return self._identity.log_dir
-
-    @property
-    @rank_zero_experiment
-    def experiment(self) -> Any:
-        return _ExperimentRecorder(self._record)
-
-    @override
-    @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
-        self._record("log_metrics", (dict(metrics), step), {})
+        """Nothing beside the record: the controller's logger writes."""
 
     @override
-    @rank_zero_only
     def log_hyperparams(self, params: Union[dict[str, Any], Namespace], *args: Any, **kwargs: Any) -> None:
-        self._record("log_hyperparams", (params, *args), kwargs)
-
-    def _record(self, method: str, args: tuple, kwargs: dict) -> None:
-        self._sink.append(LoggerCall(self._index, method, to_cpu(args), to_cpu(kwargs)))
+        """Nothing beside the record: the controller's logger writes."""
 
 
-def recording_loggers(identities: list[LoggerIdentity]) -> tuple[list[RecordingLogger], list[LoggerCall]]:
-    """One recorder per controller logger, all writing to the returned call list."""
+@contextmanager
+def _writes_left_to_controller() -> Iterator[None]:
+    """On rank 0, around the user's logger code: ``rank_zero_only`` functions are skipped, as on
+    another rank, since the controller makes rank 0's writes. Runs on the hook's thread."""
+    rank = _RANK.rank
+    if rank != 0:
+        yield
+        return
+    _RANK.rank = _NOT_RANK_ZERO
+    try:
+        yield
+    finally:
+        _RANK.rank = rank
+
+
+def _answered_by(identity: LoggerIdentity, name: str) -> property:
+    """A property whose value is the controller logger's, ``identity``'s field ``name``."""
+    return property(lambda self: getattr(identity, name))
+
+
+def _recording(logger: Logger, identity: LoggerIdentity, record: Callable[[str, tuple, dict], None]) -> Logger:
+    """``logger``, made an instance of a subclass of its own class (same name) that records rank 0's
+    writing calls with ``record`` and answers the controller's name, version and folders."""
+    cls = type(logger)
+
+    def log_metrics(self: Logger, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        if _RANK.rank == 0:
+            record("log_metrics", (dict(metrics), step), {})
+        with _writes_left_to_controller():
+            cls.log_metrics(self, metrics, step)
+
+    def log_hyperparams(self: Logger, params: Union[dict[str, Any], Namespace], *args: Any, **kwargs: Any) -> None:
+        if _RANK.rank == 0:
+            record("log_hyperparams", (params, *args), kwargs)
+        with _writes_left_to_controller():
+            cls.log_hyperparams(self, params, *args, **kwargs)
+
+    def writing(method: str) -> Callable[..., Any]:
+        def call(self: Logger, *args: Any, **kwargs: Any) -> Any:
+            with _writes_left_to_controller():
+                return getattr(cls, method)(self, *args, **kwargs)
+
+        return call
+
+    namespace: dict[str, Any] = {
+        "__slots__": (),
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "log_metrics": log_metrics,
+        "log_hyperparams": log_hyperparams,
+        **{method: writing(method) for method in _WRITING_METHODS},
+        **{field.name: _answered_by(identity, field.name) for field in fields(identity)},
+    }
+    experiment = inspect.getattr_static(cls, "experiment", None)
+    if experiment is None or isinstance(experiment, property):
+
+        def experiment_here(self: Logger) -> Any:
+            if _RANK.rank == 0:
+                return _ExperimentRecorder(record)
+            return _DummyExperiment() if experiment is None else experiment.__get__(self, cls)
+
+        # a logger whose ``experiment`` is a method of its own (not Lightning's property) keeps it
+        namespace["experiment"] = property(experiment_here)
+    metaclass: Any = type(cls)
+    logger.__class__ = metaclass(cls.__name__, (cls,), namespace)
+    return logger
+
+
+def recording_loggers(
+    identities: list[LoggerIdentity], loggers: list[Optional[Logger]]
+) -> tuple[list[Logger], list[LoggerCall]]:
+    """The controller's ``loggers`` as they travelled (``None`` for one that cannot be pickled: a
+    stand-in), each recording into the returned call list."""
     calls: list[LoggerCall] = []
-    return [RecordingLogger(index, identity, calls) for index, identity in enumerate(identities)], calls
+
+    def recorder(index: int) -> Callable[[str, tuple, dict], None]:
+        def record(method: str, args: tuple, kwargs: dict) -> None:
+            calls.append(LoggerCall(index, method, to_cpu(args), to_cpu(kwargs)))
+
+        return record
+
+    return [
+        _recording(logger if logger is not None else _StandIn(identity), identity, recorder(index))
+        for index, (identity, logger) in enumerate(zip(identities, loggers, strict=True))
+    ], calls

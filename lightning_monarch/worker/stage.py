@@ -99,7 +99,7 @@ def _build(
 ) -> StageLoop:
     """:func:`build_stage`, once the stage's settings are made; ``run`` undoes them."""
     objects, imported = open_parcel(spec.payload, storages.take(spec.payload))
-    module, datamodule, loaders, worker_callbacks, subclass = objects
+    module, datamodule, loaders, worker_callbacks, subclass, travelled_loggers = objects
     settings.make_imported_state(imported)  # scvi's seed setter seeds torch: before the next line
     name_files(module, datamodule, *worker_callbacks)
     if spec.torch_rng is not None and (first or spec.torch_rng.changed):
@@ -114,7 +114,7 @@ def _build(
         loop.stop_if_abandoned(waiting_at)
 
     config = spec.trainer
-    loggers, logger_calls = recording_loggers(spec.loggers)
+    loggers, logger_calls = recording_loggers(spec.loggers, travelled_loggers)
     # each GPU worker sees only its own device (``worker.process``): cuda:0 on every rank
     parallel_devices = [torch.device("cuda", 0)] * config.devices if config.accelerator == "cuda" else None
     # a library's Trainer subclass: its instance, made by Lightning's ``__init__`` (``specs.TrainerSubclass``)

@@ -8,7 +8,8 @@ What it exercises: a ``BaseFinetuning`` subclass that finds its ``EarlyStopping`
 ``ModelCheckpoint`` subclasses through ``trainer.callbacks`` (it refuses to run without them), reads
 the early-stopping state to move to the next phase, and restores the best checkpoint file at each
 phase transition; after the fit, what its users read on their Trainer: the depth reached (a property
-over FTS's private state) and the param groups FTS added to the optimizer, at their rates.
+over FTS's private state), the param groups FTS added to the optimizer, at their rates, and where its
+schedule file was written.
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ def train(strategy: str, out_dir: Path) -> Optional[dict[str, Any]]:
     )
     trainer.fit(model)
     fitted = results(trainer, model, out_dir)
-    # what FTS's users read after the fit: the depth reached, the optimizer's groups as FTS added them
+    # what FTS's users read after the fit: the depth reached, the optimizer's groups as FTS added them,
+    # and its schedule file, written in `trainer.log_dir` where its resume path looks for it
     after_fit = {
+        "schedule_files": sorted(str(path.relative_to(out_dir)) for path in out_dir.rglob("*_ft_schedule.yaml")),
         "curr_depth": scheduler.curr_depth,
         "param_groups": [
             {"lr": group["lr"], "params": len(group["params"])} for group in trainer.optimizers[0].param_groups

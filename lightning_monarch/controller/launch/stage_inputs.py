@@ -32,7 +32,7 @@ from lightning_monarch.controller.loop.plan import make_plan, states_can_travel
 from lightning_monarch.controller.loop.session import StageSession
 from lightning_monarch.controller.mesh import debugger
 from lightning_monarch.controller.mesh.feed import FedLoaders
-from lightning_monarch.controller.mesh.payload import pack_for_workers
+from lightning_monarch.controller.mesh.payload import pack_for_workers, travelling_loggers
 from lightning_monarch.controller.settings import StrategyHooks, StrategySettings
 from lightning_monarch.wire.protocol import SnapshotEpochs
 from lightning_monarch.wire.specs import LoaderRef, LoggerIdentity, StageSpec, TorchRngStart, TrainerConfig
@@ -155,6 +155,11 @@ class StageInputs:
             )
         sharding = self._hooks._sharding_for_stage(module, arguments.get("ckpt_path"))
         script_dir = _script_dir()
+        # read before the loggers are pickled: a TensorBoardLogger's version is found on first read
+        loggers = [
+            LoggerIdentity(name=logger.name, version=logger.version, save_dir=logger.save_dir, log_dir=logger.log_dir)
+            for logger in trainer.loggers
+        ]
         payload = pack_for_workers(
             {
                 "LightningModule": module,
@@ -162,6 +167,7 @@ class StageInputs:
                 "dataloaders": self.loaders,
                 "worker_callbacks": self.worker_callbacks,
                 "Trainer": lightning_compat.trainer_subclass(trainer),
+                "loggers": travelling_loggers(trainer.loggers),
             },
             script_dir,
         )
@@ -192,12 +198,7 @@ class StageInputs:
                 timeout=settings.timeout,
                 sharding=sharding,
             ),
-            loggers=[
-                LoggerIdentity(
-                    name=logger.name, version=logger.version, save_dir=logger.save_dir, log_dir=logger.log_dir
-                )
-                for logger in trainer.loggers
-            ],
+            loggers=loggers,
             sys_path=(script_dir,) if script_dir else (),
             env={name: os.environ.get(name) for name in _SEED_ENV},
             torch_rng=_TORCH_RNG.start(),

@@ -28,6 +28,8 @@ from typing import Any, Optional
 
 import cloudpickle
 from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -125,6 +127,24 @@ def travel_error(obj: Any) -> Optional[Exception]:
     finally:
         pickler.clear_memo()
     return None
+
+
+def travelling_loggers(loggers: list[Logger]) -> list[Optional[Logger]]:
+    """The Trainer's loggers as they travel to the workers: each one, or ``None`` (with a warning)
+    for one that cannot be pickled, which the workers replace by a stand-in (``worker.logger``)."""
+    travelling: list[Optional[Logger]] = []
+    for logger in loggers:
+        error = travel_error(logger)
+        if error is not None:
+            rank_zero_warn(
+                f"The logger `{type(logger).__name__}` cannot be pickled for the worker processes under"
+                f" strategy='monarch' ({type(error).__name__}: {error}): on the workers, module code's"
+                " `self.logger` is a stand-in with its name, version, `save_dir`, `log_dir` and `experiment`"
+                " calls, without its own attributes, and `trainer.log_dir` there is its `save_dir`. Keep what"
+                " cannot be pickled out of its attributes (or drop it in `__getstate__`) to have it whole there."
+            )
+        travelling.append(logger if error is None else None)
+    return travelling
 
 
 def rebuild_error(obj: Any) -> Optional[Exception]:
@@ -250,6 +270,7 @@ _ROOTS = {
     "dataloaders": "",
     "worker_callbacks": "worker_callbacks",
     "Trainer": "trainer",
+    "loggers": "trainer.loggers",
 }
 
 
