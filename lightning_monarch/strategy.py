@@ -139,7 +139,7 @@ class MonarchStrategy(_OneProcess):
             when rank 0 did not; with ``None`` every worker prints its own, as ``ddp``'s ranks do.
         process_group_backend: the workers' ``torch.distributed`` backend; by default ``gloo`` on
             CPU and ``nccl`` on GPUs (RCCL on a ROCm build of torch).
-        worker_callbacks: callbacks to run on every worker, as ``lightning_monarch.on_workers`` places them.
+        worker_callbacks: callbacks to run on every worker, after the Trainer's own (as ``on_workers`` places them).
         max_restarts: how many times a stage may replace its worker processes when one dies or
             hangs: new processes replay the stage up to the failed step, bit for bit, and the run
             goes on. ``0`` (the default) fails with ``MeshFailureError``.

@@ -16,9 +16,11 @@ import pytest
 import torch
 from finetuning_scheduler import FinetuningScheduler, FTSCheckpoint, FTSEarlyStopping
 from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
     EarlyStopping,
     EMAWeightAveraging,
     LambdaCallback,
+    LearningRateMonitor,
     ModelPruning,
     ModelSummary,
     RichModelSummary,
@@ -364,3 +366,16 @@ def test_a_callback_that_reads_the_batch_runs_on_the_workers() -> None:
 def test_a_callback_that_reads_the_batch_on_the_controller_is_refused(callback: L.Callback, fix: str) -> None:
     with pytest.raises(MisconfigurationException, match=rf"\.on_\w+_batch_\w+` reads its `batch`.*{fix}"):
         CallbackPlacement([callback], [])
+
+
+def test_the_gate_follows_the_worker_callbacks_listed_before_the_controllers() -> None:
+    """On the workers the gate callback comes after the worker callbacks the Trainer lists before
+    its first controller callback (the client tier's FTS case shows the effect); with recovery
+    snapshots it must come first, and says which controller callbacks then see a hook's changes late."""
+    finetuning, monitor = BackboneFinetuning(unfreeze_backbone_at_epoch=1), LearningRateMonitor()
+    assert CallbackPlacement([monitor, finetuning], []).before_gate == 0
+    placement = CallbackPlacement([finetuning, monitor], [])
+    assert placement.before_gate == 1
+    match = r"With snapshots, .*`LearningRateMonitor.on_train_epoch_start` after `BackboneFinetuning`.* one hook late"
+    with pytest.warns(UserWarning, match=match):
+        assert placement.gate_first("snapshots") == 0

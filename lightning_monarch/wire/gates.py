@@ -87,10 +87,13 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 
 
 class GateCallback(Callback):
-    """The first callback of a Trainer under ``strategy="monarch"``: each callback hook gates.
+    """A callback of each Trainer under ``strategy="monarch"``: each callback hook gates.
 
-    Lightning calls callbacks in list order, so a gate placed first marks the moment just before
-    the other callbacks of that hook run, on the controller and on each worker alike.
+    Lightning calls callbacks in list order, so the gate marks a moment among the callbacks of
+    that hook. On the controller it comes first: all its callbacks run after the gate. On the
+    workers it comes after the worker callbacks the Trainer lists before its first controller
+    callback (``StageSpec.callbacks_before_gate``): the controller's callbacks see what those did
+    at the hook and not what the others do, as in the Trainer's order under DDP.
     """
 
     def __init__(self, around: Around) -> None:

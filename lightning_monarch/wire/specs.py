@@ -224,6 +224,9 @@ class StageSpec:
     run_ahead: RunAhead
     #: Set when new workers replace failed ones: the snapshot they resume from.
     resume: Optional[ResumePoint] = None
+    #: How many of the payload's worker callbacks run before the gate callback, at each hook: those
+    #: the Trainer lists before its first controller callback (``CallbackPlacement.before_gate``).
+    callbacks_before_gate: int = 0
     #: A rehearsal (``controller.features.rehearsal``): every rank records its batch times and memory
     #: (``worker.stats.RehearsalRecorder``), read with its stats.
     rehearsal: bool = False

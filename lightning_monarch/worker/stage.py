@@ -131,8 +131,9 @@ def _build(
             # ``str(trainer.precision)`` of the controller's Trainer: one of the values Lightning's ``precision`` accepts
             precision=cast(Any, config.precision),
             callbacks=[
+                *worker_callbacks[: spec.callbacks_before_gate],
                 GateCallback(around),
-                *worker_callbacks,
+                *worker_callbacks[spec.callbacks_before_gate :],
                 *([RehearsalRecorder()] if spec.rehearsal else []),
                 *([PdbBarrier(spec.pdb_barrier, config.timeout, stop_if_abandoned)] if spec.pdb_barrier else []),
             ],

@@ -9,7 +9,8 @@ What it exercises: a ``BaseFinetuning`` subclass that finds its ``EarlyStopping`
 the early-stopping state to move to the next phase, and restores the best checkpoint file at each
 phase transition; after the fit, what its users read on their Trainer: the depth reached (a property
 over FTS's private state), the param groups FTS added to the optimizer, at their rates, and where its
-schedule file was written.
+schedule file was written; and the rows of a ``LearningRateMonitor`` listed after FTS, which logs the
+groups FTS adds at an epoch's start in that epoch's row.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Optional
 import torch
 from finetuning_scheduler import FinetuningScheduler, FTSCheckpoint, FTSEarlyStopping
 from lightning import pytorch as pl
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -93,13 +95,19 @@ def train(strategy: str, out_dir: Path) -> Optional[dict[str, Any]]:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(out_dir),
-        callbacks=[scheduler, FTSEarlyStopping(monitor="val_loss", min_delta=0.001, patience=1), checkpointing],
+        callbacks=[
+            scheduler,
+            FTSEarlyStopping(monitor="val_loss", min_delta=0.001, patience=1),
+            checkpointing,
+            LearningRateMonitor(),
+        ],
     )
     trainer.fit(model)
     fitted = results(trainer, model, out_dir)
     # what FTS's users read after the fit: the depth reached, the optimizer's groups as FTS added them,
     # and its schedule file, written in `trainer.log_dir` where its resume path looks for it
     after_fit = {
+        "csv": sorted(path.read_text() for path in out_dir.rglob("metrics.csv")),
         "schedule_files": sorted(str(path.relative_to(out_dir)) for path in out_dir.rglob("*_ft_schedule.yaml")),
         "curr_depth": scheduler.curr_depth,
         "param_groups": [

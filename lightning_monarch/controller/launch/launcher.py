@@ -90,7 +90,7 @@ class MonarchLauncher(lightning_compat.Launcher):
                 arguments.get("ckpt_path"),
                 model_provided=arguments.get("model") is not None,
             )
-        inputs = StageInputs(self.settings, self._hooks, stage, trainer, module, arguments, placement.workers)
+        inputs = StageInputs(self.settings, self._hooks, stage, trainer, module, arguments, placement)
         try:
             with placement.applied(trainer):
                 return self._launch(function, trainer, inputs, placement)

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_monarch import torch_settings
 from lightning_monarch._compat import lightning as lightning_compat
 from lightning_monarch.controller.launch.fresh_settings import FRESH
+from lightning_monarch.controller.loop.callbacks import CallbackPlacement
 from lightning_monarch.controller.loop.mirrors import plan_loaders
 from lightning_monarch.controller.loop.plan import make_plan, states_can_travel
 from lightning_monarch.controller.loop.session import StageSession
@@ -89,10 +90,11 @@ class StageInputs:
         trainer: Trainer,
         module: LightningModule,
         arguments: dict[str, Any],
-        worker_callbacks: list[Callback],
+        placement: CallbackPlacement,
     ) -> None:
         self._settings, self._hooks, self.stage, self._trainer = settings, hooks, stage, trainer
-        self.module, self.arguments, self.worker_callbacks = module, arguments, worker_callbacks
+        self.module, self.arguments, self._placement = module, arguments, placement
+        self.worker_callbacks: list[Callback] = placement.workers
         self.datamodule: Optional[LightningDataModule] = arguments.get("datamodule")
         self._fed = FedLoaders(
             {name: arguments[name] for name in LOADER_STAGES[stage] if arguments.get(name) is not None},
@@ -117,6 +119,15 @@ class StageInputs:
         if settings.max_restarts:
             return SnapshotEpochs(settings.snapshot_every_n_epochs)
         return None
+
+    def _before_gate(self) -> int:
+        """How many worker callbacks run before the gate callback on the workers (``CallbackPlacement``)."""
+        settings = self._settings
+        if self.snapshots() is None:
+            return self._placement.before_gate
+        if settings.min_nodes:
+            return self._placement.gate_first("elastic training (`MonarchStrategy(min_nodes=...)`)")
+        return self._placement.gate_first(f"`MonarchStrategy(max_restarts={settings.max_restarts})`")
 
     def calling(self, session: StageSession) -> dict[str, Any]:
         """The arguments of the call the controller's Trainer runs in ``session``: each loader
@@ -204,6 +215,7 @@ class StageInputs:
             torch_rng=_TORCH_RNG.start(),
             torch_settings=torch_settings.changed(FRESH.values(settings)),
             start_method=multiprocessing.get_start_method(allow_none=True),
+            callbacks_before_gate=self._before_gate(),
             rehearsal=settings.rehearsing,
             post_mortem=settings.post_mortem,
             pdb_barrier=f"lightning_monarch/pdb/{uuid.uuid4().hex}" if debugger.takes_input() else None,

@@ -44,9 +44,11 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_monarch import namespaces
 from lightning_monarch.controller.features.stats import MeshStatsMonitor
+from lightning_monarch.wire.protocol import CALLBACK_HOOKS
 
 C = TypeVar("C")
 
@@ -219,8 +221,8 @@ def runs_on_workers(callback: Callback) -> bool:
 class CallbackPlacement:
     """Runs on the controller, once per stage: the Trainer's callbacks split by where they run.
 
-    ``workers`` are ``MonarchStrategy(worker_callbacks=[...])`` and then the Trainer's callbacks
-    that run on the workers, in their order; the rest run on the controller. Each is checked here,
+    ``workers`` are the Trainer's callbacks that run on the workers, in their order, and then
+    ``MonarchStrategy(worker_callbacks=[...])``; the rest run on the controller. Each is checked here,
     so that a callback that can run on neither side is refused before any worker starts.
 
     Companions stay together: a library's callbacks find each other through ``trainer.callbacks``
@@ -246,11 +248,40 @@ class CallbackPlacement:
             and not isinstance(callback, _DRAWS_OR_STEERS_ONCE)
         ]
         placed = [callback for callback in callbacks if runs_on_workers(callback) or callback in companions]
-        self.workers: list[Callback] = [*worker_callbacks, *placed]
+        self.workers: list[Callback] = [*placed, *worker_callbacks]
+        #: How many of ``workers`` come before the first callback that stays here, in the Trainer's
+        #: order: on the workers they run before the gate callback, so at each hook the controller's
+        #: callbacks see what those did there, as under DDP (``LearningRateMonitor`` the param groups
+        #: a finetuning callback adds at an epoch's start).
+        self.before_gate = next((i for i, callback in enumerate(callbacks) if callback not in placed), len(placed))
+        self._here = [callback for callback in callbacks if callback not in placed]
         for callback in callbacks:
             if callback not in self.workers and (hook := batch_reader(callback)) is not None:
                 _reject_batch_reader(callback, hook)
         check_worker_callbacks([callback for callback in self.workers if callback not in companions])
+
+    def gate_first(self, why: str) -> int:
+        """The gate's place on the workers where it must come first (``why``: recovery snapshots,
+        which must be rank 0's state before any callback's ``on_train_epoch_start``, as a replacement
+        worker runs those hooks again): 0, with a warning where a controller callback then sees the
+        changes of a worker callback listed before it one hook late."""
+        late = sorted(
+            {
+                f"`{type(here).__name__}.{hook}` after `{type(there).__name__}`"
+                for hook in CALLBACK_HOOKS
+                for there in self.workers[: self.before_gate]
+                if is_overridden(hook, there, Callback)
+                for here in self._here
+                if is_overridden(hook, here, Callback)
+            }
+        )
+        if late:
+            rank_zero_warn(
+                f"With {why}, each hook of the controller's callbacks runs before the same hook of the worker"
+                f" callbacks, so {', '.join(late)} sees that callback's changes one hook late, not as under"
+                " ddp. List the controller's callbacks first in `Trainer(callbacks=[...])` to have ddp's order."
+            )
+        return 0
 
     @property
     def holds_checkpoints(self) -> bool:
