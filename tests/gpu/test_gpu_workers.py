@@ -108,6 +108,8 @@ def train(
             if hasattr(module, name)
         },
         "losses": getattr(module, "losses", None),
+        # what a script reads of the Trainer's gradient scaler after the fit: rank 0's
+        "scale": scaler.get_scale() if (scaler := getattr(trainer.precision_plugin, "scaler", None)) else None,
     }
     if model != "transformer" or strategy == "ddp":
         result["weights"] = {key: value.detach().cpu() for key, value in module.state_dict().items()}
@@ -153,6 +155,7 @@ def test_one_gpu_worker_matches_ddp(precision: str, tmp_path: Path) -> None:
     assert ours["checkpoint"]["MixedPrecision"] == reference["checkpoint"]["MixedPrecision"]
     if precision == "16-mixed":
         assert ours["checkpoint"]["MixedPrecision"]["scale"] < 65536.0
+    assert ours["scale"] == reference["scale"]
     saved = torch.load(tmp_path / "monarch.ckpt", weights_only=False)  # no map_location: tensors must be on the CPU
     assert saved["made_on_the_worker"].device.type == "cpu"
 

@@ -6,7 +6,8 @@ carries rank 0's public attributes of the module (with its ``hparams``) and the 
 worker callback (``worker.state``): the controller's objects take them, and keep their own of those
 that could not travel, with a warning that names them. A datamodule with a ``state_dict`` of its own
 loads rank 0's. After an unsharded ``fit``, the controller's Trainer also takes rank 0's optimizers
-and LR schedulers in place of its stand-ins (:func:`take_optimizers`).
+and LR schedulers in place of its stand-ins (:func:`take_optimizers`), and its precision plugin rank
+0's state (a gradient scaler's).
 """
 
 from __future__ import annotations
@@ -83,13 +84,16 @@ def take_final_state(
     module on the workers: compiled, wrapped or grew layers, as DDP's rank 0 has them), and
     ``trainer`` its optimizers and schedulers (:func:`take_optimizers`). ``state.model`` then holds
     the module's own tensors, as a ``ddp`` rank 0's checkpoint after ``fit`` would read them: no
-    second copy of the weights for as long as the Trainer lives."""
+    second copy of the weights for as long as the Trainer lives. The precision plugin takes rank 0's
+    state: a gradient scaler's scale."""
     if set(state.model) != set(module.state_dict()):
         for name, child in ask_rank0("module_children").items():
             setattr(module, name, child)
     module.load_state_dict(state.model)
     state.model.update(module.state_dict())
     take_optimizers(taken, trainer, module, state)
+    if state.precision:  # a gradient scaler's (``16-mixed`` on GPUs)
+        trainer.precision_plugin.load_state_dict(state.precision)
 
 
 def take_optimizers(taken: TakenBack, trainer: Trainer, module: LightningModule, state: CheckpointState) -> None:
