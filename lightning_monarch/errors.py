@@ -7,28 +7,105 @@ lightning_monarch.WorkerError`` catches a ``pytorch_lightning`` run's failure to
 
 from __future__ import annotations
 
+import pickle
+import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_monarch.wire.reports import WorkerFailure
 
 
 class WorkerError(RuntimeError):
     """A worker raised an exception; raised in the controller with the rank, host, hook and the
-    remote traceback, so Lightning's ``on_exception`` and teardown run as for a local error."""
+    remote traceback, so Lightning's ``on_exception`` and teardown run as for a local error.
+
+    What the controller raises is :meth:`of` a failure: an instance of the worker's exception's
+    class too, so that the ``except`` clause that catches it under ``ddp`` (where the user's
+    process is rank 0) catches it here."""
 
     def __init__(self, failure: WorkerFailure) -> None:
-        super().__init__(
+        self._message = (
             f"Worker rank {failure.rank} on host {failure.host} raised"
             f" {failure.exception_type}{failure.where}: {failure.message}{_under_monarch(failure.message)}\n\n"
             f"Remote traceback (rank {failure.rank}):\n{failure.traceback}"
         )
+        super().__init__(self._message)
         self.failure = failure
+
+    @classmethod
+    def of(cls, failure: WorkerFailure) -> WorkerError:
+        """The error to raise for ``failure``: an instance of a subclass of both this class and the
+        worker's exception's class, made here, with the original's arguments and attributes where it
+        pickled; a plain ``WorkerError`` where that class is not one this process can have (not an
+        ``Exception``, not importable here) or cannot be a base beside this one."""
+        original = _original(failure)
+        base = type(original) if isinstance(original, Exception) else _class_named(failure.exception_class)
+        made: Any = _made(base)
+        if made is None:
+            return cls(failure)
+        try:  # the original class's ``__new__``: a built-in one (``OSError``'s) must make the instance
+            error = base.__new__(made, *(original.args if original is not None else ()))
+        except Exception:  # a ``__new__`` of its own that wants other arguments
+            return cls(failure)
+        if original is not None:
+            vars(error).update(vars(original))
+        WorkerError.__init__(error, failure)
+        if original is not None:
+            error.args = original.args
+        return error
+
+    def __str__(self) -> str:
+        return self._message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return WorkerError, (self.failure,)
 
     @property
     def rank(self) -> int:
         """The global rank of the worker that failed first."""
         return self.failure.rank
+
+
+#: The subclasses :meth:`WorkerError.of` made, by the worker's exception's class.
+_MADE: dict[type, Optional[type]] = {}
+
+
+def _made(original: Optional[type]) -> Optional[type]:
+    """``WorkerError[original]``, a subclass of both, made once; ``None`` where it cannot be."""
+    if original is None or not issubclass(original, Exception) or issubclass(original, WorkerError):
+        return None
+    if original not in _MADE:
+        try:
+            _MADE[original] = type(
+                f"WorkerError[{original.__qualname__}]",
+                (WorkerError, original),
+                {"__module__": __name__, "__qualname__": f"WorkerError[{original.__qualname__}]"},
+            )
+        except TypeError:  # its instances' layout conflicts with this one's (some built-in classes)
+            _MADE[original] = None
+    return _MADE[original]
+
+
+def _original(failure: WorkerFailure) -> Optional[BaseException]:
+    """The worker's exception, read back here, or ``None`` where it did not pickle or cannot be read."""
+    if failure.pickled is None:
+        return None
+    try:
+        original = pickle.loads(failure.pickled)
+    except Exception:  # anything reading it back raises: its class is then found by name only
+        return None
+    return original if isinstance(original, BaseException) else None
+
+
+def _class_named(name: Optional[str]) -> Optional[type]:
+    """The class ``module:qualname`` names, where its module is imported in this process."""
+    if name is None:
+        return None
+    module, _, qualname = name.partition(":")
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found if isinstance(found, type) else None
 
 
 def _under_monarch(message: str) -> str:

@@ -197,7 +197,7 @@ def test_the_time_in_a_session_does_not_count_towards_the_step_timeout(session: 
 
 def test_q_ends_the_fit_with_a_clear_error_and_the_mesh_stays_warm(session: dict[str, str]) -> None:
     quit = session["quit"]
-    assert "RAISED WorkerError: Worker rank 1 on host" in quit, quit
+    assert "RAISED WorkerError[BdbQuit]: Worker rank 1 on host" in quit, quit
     assert "raised BdbQuit in `module.training_step`: pdb quit on rank 1" in quit, quit
     # the same worker processes ran the fit before the quit, held it, and ran the next one
     assert workers(session["slow session"]) == workers(quit) == workers(session["after quit"]) != "[]"
@@ -208,7 +208,9 @@ def test_post_mortem_opens_pdb_at_the_failing_frame_then_the_fit_raises(session:
     examined = session["post-mortem"]
     assert "Post-mortem of ValueError: bad batch 42" in examined, examined
     assert re.search(r"\(Pdb rank 1 on [^)]+\) 41\n", examined), examined
-    assert "RAISED WorkerError: Worker rank 1 on host" in examined and "raised ValueError" in examined, examined
+    assert "RAISED WorkerError[ValueError]: Worker rank 1 on host" in examined and "raised ValueError" in examined, (
+        examined
+    )
 
 
 def test_pdb_on_a_worker_in_pytorch_lightnings_namespace(session: dict[str, str]) -> None:
@@ -236,7 +238,7 @@ def test_peers_wait_for_a_session_in_the_strategys_collectives_too(session: dict
 
 def test_outside_pdb_the_barrier_times_out_as_the_collective_would(session: dict[str, str]) -> None:
     late = session["late without pdb"]
-    assert "RAISED WorkerError: Worker rank 0 on host" in late and "raised TimeoutError" in late, late
+    assert "RAISED WorkerError[TimeoutError]: Worker rank 0 on host" in late and "raised TimeoutError" in late, late
     assert "waited 3 s before its gradients' all-reduce for ranks that never came" in late, late
 
 

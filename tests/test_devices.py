@@ -212,7 +212,7 @@ def test_two_gpu_workers_get_past_stage_start() -> None:
     spec = StageSpec(
         fn="fit",
         # as the controller packs a stage's objects, with nothing changed in what they import
-        payload=pack((Classifier(), None, {}, [OneVisibleGPU()], None), then=lambda: ImportedState({}, {})),
+        payload=pack((Classifier(), None, {}, [OneVisibleGPU()], None, []), then=lambda: ImportedState({}, {})),
         ckpt_path=None,
         weights_only=None,
         fit_loop_state=L.Trainer(logger=False).fit_loop.state_dict(),

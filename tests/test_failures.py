@@ -4,16 +4,23 @@ handling runs, and no worker process outlives the call (success, exception or Ke
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import signal
+import socket
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.utilities.spike import TrainingSpikeException
+from lightning.pytorch.callbacks import SpikeDetection
 
 from lightning_monarch import MeshFailureError, WorkerError
+from lightning_monarch.wire.reports import WorkerFailure
 from tests.compat_models import NormClassifier
 from tests.conftest import worker_processes
 from tests.models import Classifier
@@ -75,10 +82,58 @@ def test_worker_exception_names_rank_and_hook(hook: str, rank: int) -> None:
     raised_at = float(re.search(r"failing on purpose in \w+ at ([\d.]+)", str(error.value)).group(1))
     assert time.time() - raised_at < 5, "the worker's exception took over 5 s to reach the controller"
     assert error.value.rank == rank
+    assert isinstance(error.value, ValueError), "`except ValueError` catches it, as under ddp"
     assert "Remote traceback" in str(error.value) and f"in {hook}" in str(error.value)
     assert recorder.seen == [error.value], "the controller's callbacks saw on_exception"
     assert trainer.state.status == "interrupted"
     assert not worker_processes()
+
+
+class Spiking(Classifier):
+    """Its loss jumps a thousandfold at the fourth batch: Lightning's ``SpikeDetection`` raises."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * 1000 if batch_idx == 3 else loss
+
+
+def test_a_workers_exception_is_caught_by_the_except_clause_of_its_class(tmp_path: Path) -> None:
+    """Lightning's ``TrainingSpikeException``, raised on the workers, is one on the controller too,
+    with its attributes: ``except TrainingSpikeException`` around ``fit`` catches it, as under ddp."""
+    recorder = RecordExceptions()
+    with pytest.raises(TrainingSpikeException) as error:
+        detection = SpikeDetection(warmup=2, exclude_batches_path=str(tmp_path / "skip.json"))
+        _trainer(callbacks=[detection, recorder]).fit(Spiking())
+    assert isinstance(error.value, WorkerError)
+    assert "Training spike detected in batch 3" in str(error.value) and error.value.rank == 0
+    assert recorder.seen == [error.value]
+
+
+class Refuses(Exception):
+    """An exception class that cannot be subclassed."""
+
+    def __init_subclass__(cls) -> None:
+        raise TypeError("no subclasses")
+
+
+class HoldsALock(ValueError):
+    def __init__(self) -> None:
+        super().__init__("held")
+        self.lock = threading.Lock()
+
+
+@pytest.mark.parametrize(
+    ("error", "caught_as"),
+    [(Refuses("no"), WorkerError), (HoldsALock(), ValueError), (KeyboardInterrupt(), WorkerError)],
+)
+def test_a_workers_exception_that_cannot_be_remade_is_a_worker_error(error: BaseException, caught_as: type) -> None:
+    """A class that cannot be a base stays a plain ``WorkerError``; one whose instance does not
+    pickle is still its class, found by name, without its attributes; an exception that is not an
+    ``Exception`` (Ctrl-C on a worker) is a ``WorkerError`` only."""
+    remade = WorkerError.of(WorkerFailure.capture(error, rank=1, hook="module.training_step", memory_mib=0.0))
+    assert isinstance(remade, caught_as) and isinstance(remade, WorkerError)
+    assert str(remade).startswith(f"Worker rank 1 on host {socket.gethostname()} raised {type(error).__name__}")
+    assert type(pickle.loads(pickle.dumps(remade))) is WorkerError
 
 
 def test_an_exception_raised_between_hooks_names_the_hook_before_it() -> None:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(600)
 
 NOTEBOOK = ROOT / "examples" / "notebook.ipynb"
 #: The error each cell tagged ``raises-exception`` must show, in order.
-EXPECTED_ERRORS = ["WorkerError", "MeshFailureError", "SystemExit"]
+EXPECTED_ERRORS = ["WorkerError[ValueError]", "MeshFailureError", "SystemExit"]
 #: How long the client lets the kernel end by itself before it kills it. Jupyter's default is 5 s;
 #: a quiet machine ends this kernel in about 3 s, most of it Python finalizing torch's and
 #: Lightning's objects, which a loaded CI machine (two test processes on two cores) stretches past 5 s.

@@ -7,6 +7,7 @@ Both sides import this module; the entries that carry most of these are in
 
 from __future__ import annotations
 
+import pickle
 import socket
 import traceback
 from dataclasses import dataclass, field
@@ -56,6 +57,10 @@ class WorkerFailure:
     #: Where no hook raised it: the last hook that had returned (Lightning's own code, or a loader's,
     #: raised it after that hook: wrapping the module in DDP after ``configure_model``).
     after: Optional[str] = None
+    #: The exception's class, ``module:qualname``, for the controller to raise one of its own.
+    exception_class: Optional[str] = None
+    #: The exception pickled (its class by reference, its arguments and attributes), where it pickles.
+    pickled: Optional[bytes] = None
 
     @property
     def where(self) -> str:
@@ -81,7 +86,17 @@ class WorkerFailure:
             traceback="".join(traceback.format_exception(error)),
             memory_mib=memory_mib,
             after=last if hook is None else None,
+            exception_class=f"{type(error).__module__}:{type(error).__qualname__}",
+            pickled=_pickled(error),
         )
+
+
+def _pickled(error: BaseException) -> Optional[bytes]:
+    """``error`` pickled, or ``None`` where it does not pickle (an attribute that cannot be)."""
+    try:
+        return pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # anything pickling raises: the controller names the class alone
+        return None
 
 
 @dataclass(frozen=True)

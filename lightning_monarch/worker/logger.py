@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import fields
 from typing import Any, Optional, Union
 
-from lightning.fabric.loggers.logger import _DummyExperiment
+from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
@@ -73,6 +73,11 @@ class _StandIn(Logger):
     @override
     def version(self) -> Any:
         return self._identity.version
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> None:
+        """Rank 0's is the recorder (:func:`_recording`), the other ranks' Lightning's stand-in."""
 
     @override
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
@@ -137,12 +142,10 @@ def _recording(logger: Logger, identity: LoggerIdentity, record: Callable[[str, 
         **{field.name: _answered_by(identity, field.name) for field in fields(identity)},
     }
     experiment = inspect.getattr_static(cls, "experiment", None)
-    if experiment is None or isinstance(experiment, property):
+    if isinstance(experiment, property):
 
         def experiment_here(self: Logger) -> Any:
-            if _RANK.rank == 0:
-                return _ExperimentRecorder(record)
-            return _DummyExperiment() if experiment is None else experiment.__get__(self, cls)
+            return _ExperimentRecorder(record) if _RANK.rank == 0 else experiment.__get__(self, cls)
 
         # a logger whose ``experiment`` is a method of its own (not Lightning's property) keeps it
         namespace["experiment"] = property(experiment_here)

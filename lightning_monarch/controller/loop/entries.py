@@ -54,7 +54,7 @@ class EntryQueue:
         if entry.gate is None:
             if entry.failure is not None:
                 self._warned.show_rank0(entry.warnings)
-                raise WorkerError(entry.failure)
+                raise WorkerError.of(entry.failure)
             if not ending and entry.tuner_exit:
                 raise lightning_compat.TunerExit()
             if not ending:

@@ -233,7 +233,7 @@ class StageChannel:
                 recorded.extend(self.mesh.fetch(self.received - len(self._history) + position))
             entry = recorded.pop(0)
             if entry.gate is None and entry.failure is not None:
-                raise WorkerError(entry.failure)
+                raise WorkerError.of(entry.failure)
             if entry.gate != self._history[position]:
                 raise DivergenceError(
                     f"The new workers of a recovery recorded `{entry.gate}` where the ones they replace had"

@@ -37,7 +37,7 @@ _PEER_LOST = re.compile(r"closed by peer|reset by peer|remote worker|NCCL|RCCL|C
 def checked(value: Any) -> Any:
     """A worker's answer, or its failure raised as ``WorkerError``."""
     if isinstance(value, WorkerFailure):
-        raise WorkerError(value)
+        raise WorkerError.of(value)
     return value
 
 

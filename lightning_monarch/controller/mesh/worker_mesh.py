@@ -288,7 +288,7 @@ class WorkerMesh:
         if status.failure is not None and status.rank != 0:
             # rank 0's fetch is in flight: its silence here says nothing of its process
             self._raise_if_a_death_caused(status.failure, self._workers.status.stream())
-            raise WorkerError(status.failure)
+            raise WorkerError.of(status.failure)
         statuses[status.rank] = status
         return True
 
