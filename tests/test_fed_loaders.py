@@ -8,17 +8,19 @@ Runs a real Trainer on the warm mesh of 2 CPU workers, or fails before any worke
 from __future__ import annotations
 
 import itertools
+import random
 import re
 import threading
 import traceback
 from typing import Any, Optional
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_monarch import MonarchStrategy, WorkerError, stop_meshes
+from lightning_monarch import MonarchStrategy, WorkerError, observe_only, stop_meshes
 from tests.compat_models import WindowStream
 from tests.models import ClassificationData, Classifier
 from tests.test_bad_input import _assert_raised_before_spawning, _trainer
@@ -190,3 +192,31 @@ def test_workers_ask_for_fed_items_as_their_actor(tcp_by_default: None) -> None:
     trainer = _trainer()
     trainer.fit(Classifier(), train_dataloaders=WindowStream())
     assert trainer.global_step == 6
+
+
+@observe_only
+class DrawingCallback(L.Callback):
+    """Draws from the three global generators at each training batch's end: on the controller, on
+    the thread that runs the stage, while the workers, running ahead (it waits for nothing), ask
+    for fed items."""
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        for _ in range(20):
+            torch.randn(512)
+            np.random.normal(size=512)
+            random.random()
+
+
+def test_the_controllers_own_draws_during_a_feed_reach_no_rank() -> None:
+    """The draws of a fed item set the process's generators to the rank's: done on the stage's
+    thread (``controller.mesh.stage_thread``), they cannot overlap the user's draws there, so a
+    callback that draws at every step on the controller changes nothing the ranks are fed (and no
+    rank's states part from another's, which would raise)."""
+    weights = []
+    for callbacks in ([], [DrawingCallback()]):
+        L.seed_everything(7)
+        model = Classifier()
+        _trainer(callbacks=callbacks, max_epochs=3).fit(model, train_dataloaders=WindowStream(batches_per_pass=12))
+        weights.append({key: value.clone() for key, value in model.state_dict().items()})
+    for key, value in weights[0].items():
+        assert torch.equal(value, weights[1][key]), key

@@ -7,8 +7,10 @@ actor thread, while the stage runs. Why every rank gets the same items, and how 
 number generators follow: ``lightning_monarch.wire.fed``.
 
 While an item is drawn, this process's global generators hold the asking rank's states; the
-controller's own states are put back after. Code of the controller that draws random numbers on
-another thread at that moment (none of Lightning's loop does) would draw from the rank's.
+controller's own states are put back after. The draw is done on the thread that runs the stage,
+handed to it by the actor thread (``controller.mesh.stage_thread``): no code of the user's on that
+thread draws meanwhile, by construction. The ranks that ask for an item already drawn are answered
+on the actor thread, which then reads no generator.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from lightning_monarch._compat.torch import tree_flatten, tree_unflatten
 from lightning_monarch.controller.mesh.payload import find_unpicklable, travel_error
+from lightning_monarch.controller.mesh.stage_thread import STAGE_THREAD
 from lightning_monarch.wire.codec import encode
 from lightning_monarch.wire.fed import START, FedIterable, FeedAnswer, RngStates, capture_rng, restore_rng
 
@@ -49,8 +52,12 @@ class LoaderFeed(Actor):
     def next_item(self, number: int, pass_number: int, index: int, rank: int, states: RngStates) -> FeedAnswer:
         fed = _FED.get(number)
         if fed is None:
-            return FeedAnswer(error=f"lightning_monarch: the fed iterable #{number} belongs to a stage that ended.")
+            return _ENDED
         return fed.answer(pass_number, index, rank, states)
+
+
+#: The answer to a rank that asks for an item after its stage ended (it read ahead of the end).
+_ENDED = FeedAnswer(error="lightning_monarch: the fed iterable belongs to a stage that ended.")
 
 
 @dataclass
@@ -83,7 +90,9 @@ class _FedIterable:
         key = (pass_number, index)
         draw = self._drawn.get(key)
         if draw is None:
-            draw = self._drawn[key] = self._draw(pass_number, index, rank, states)
+            draw = self._drawn[key] = STAGE_THREAD.run(
+                lambda: self._draw(pass_number, index, rank, states), lambda: _Draw(_ENDED, rank, {})
+            )
         differing = sorted(name for name, state in draw.before.items() if states[name] != state)
         draw.takers.add(rank)
         if len(draw.takers) == self._world_size:
@@ -185,6 +194,8 @@ class FedLoaders:
             ) from found.error
         number = next(_NUMBERS)
         _FED[number] = _FedIterable(iterable, world_size, description)
+        if not self._numbers:
+            STAGE_THREAD.open()
         self._numbers.append(number)
         return FedIterable(_feed_actor(), number, _length(iterable), description)
 
@@ -192,6 +203,8 @@ class FedLoaders:
         """The stage ended: its iterables are fed no more."""
         for number in self._numbers:
             _FED.pop(number, None)
+        if self._numbers:
+            STAGE_THREAD.close()
         self._numbers = []
 
 

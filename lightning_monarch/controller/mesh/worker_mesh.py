@@ -22,6 +22,7 @@ from lightning_monarch.controller.mesh.forkserver import ProcessStart, forked_pa
 from lightning_monarch.controller.mesh.hosts import host_count
 from lightning_monarch.controller.mesh.lifelines import LIFELINES
 from lightning_monarch.controller.mesh.output import WorkerOutput
+from lightning_monarch.controller.mesh.stage_thread import STAGE_THREAD
 from lightning_monarch.controller.mesh.storages import KeptShards
 from lightning_monarch.controller.mesh.watch import POLL_S, ProcessWatch
 from lightning_monarch.controller.mesh.world import LostSlots, WorkerWorld, leave_world
@@ -241,8 +242,9 @@ class WorkerMesh:
         pending: list[Any] = []
         statuses: dict[int, RankStatus] = {}
         while True:
+            STAGE_THREAD.serve()
             try:
-                answer = deaths.checked(future.get(timeout=POLL_S))
+                answer = deaths.checked(future.get(timeout=STAGE_THREAD.poll_s(POLL_S)))
             except TimeoutError:
                 deaths.raise_if_dead(self._watch)
                 pending = [status for status in pending if not self._took_status(status, statuses)]
@@ -455,10 +457,12 @@ class WorkerMesh:
 
     def _wait(self, future: Any, started: float, limit: Optional[float], answered: list[Any]) -> Any:
         """One answer; meanwhile, every :data:`~lightning_monarch.controller.mesh.watch.POLL_S`, check that
-        the worker processes live and that ``limit`` has not passed."""
+        the worker processes live and that ``limit`` has not passed, and do the work other threads
+        handed to this one (``controller.mesh.stage_thread``)."""
         while True:
+            STAGE_THREAD.serve()
             try:
-                return future.get(timeout=POLL_S)
+                return future.get(timeout=STAGE_THREAD.poll_s(POLL_S))
             except TimeoutError:
                 deaths.raise_if_dead(self._watch)
                 answering = {getattr(value, "rank", None) for value in answered}
