@@ -299,7 +299,9 @@ def test_a_pytorch_lightning_runs_worker_failure_is_lightning_monarchs_one_error
     )
     with pytest.raises(lightning_monarch.WorkerError, match="failing on purpose at step 1") as error:
         trainer.fit(pl_compat_models.FailsAtStep(1))
-    assert type(error.value) is lightning_monarch.pl.WorkerError
+    # one class for both namespaces, made a subclass of the worker's exception's class too
+    assert lightning_monarch.pl.WorkerError is lightning_monarch.WorkerError
+    assert type(error.value).__bases__ == (lightning_monarch.WorkerError, ValueError)
 
 
 def test_a_public_name_given_the_other_namespaces_objects_names_both() -> None:

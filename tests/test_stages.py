@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 
 from tests.models import ClassificationDataModule, Classifier, DataModuleClassifier
 from tests.parity_cases import SEED
+from tests.test_bad_input import _trainer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -155,3 +157,35 @@ def test_deterministic_and_benchmark_reach_the_workers(flags: dict, expected: tu
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.benchmark = False
     assert model.seen_flags == expected
+
+
+class MetadataDataModule(ClassificationDataModule):
+    """Its ``setup`` also counts the classes, and keeps a large table and a lock beside the data."""
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.num_classes = int(self.train_set.tensors[1].max()) + 1
+        self.table = torch.zeros(5 * 2**20)  # 20 MiB
+        self.guard = threading.Lock()
+
+
+def test_the_datamodule_takes_what_setup_set_on_rank_0() -> None:
+    """Under ddp the script's datamodule is rank 0's: after a stage it holds what ``setup`` made.
+    Here it takes rank 0's attributes that the stage set, up to 16 MiB each; reading one that
+    stayed on the workers (too large, or not picklable) says so, and the next stage still sends the
+    datamodule's own class."""
+    datamodule = MetadataDataModule()
+    trainer = _trainer(limit_train_batches=2, limit_val_batches=1)
+    trainer.fit(DataModuleClassifier(), datamodule=datamodule)
+    assert datamodule.num_classes == 4 and len(datamodule.train_set) == 96
+    with pytest.raises(AttributeError, match=r"`MetadataDataModule.table` was set by the last stage on the workers"):
+        datamodule.table  # noqa: B018 - the read is the test
+    with pytest.raises(AttributeError, match=r"a `Tensor` of over 16 MiB pickled.*`datamodule.setup\(stage\)`"):
+        datamodule.table  # noqa: B018
+    with pytest.raises(AttributeError, match=r"`MetadataDataModule.guard`.*a `lock` that cannot be pickled"):
+        datamodule.guard  # noqa: B018
+    with pytest.raises(AttributeError, match=r"^'MetadataDataModule' object has no attribute 'other'$"):
+        datamodule.other  # noqa: B018
+    assert isinstance(datamodule, MetadataDataModule) and type(datamodule).__name__ == "MetadataDataModule"
+    trainer.validate(DataModuleClassifier(), datamodule=datamodule, verbose=False)
+    assert datamodule.num_classes == 4

@@ -150,8 +150,9 @@ SKELETON_PARAMETER, SKELETON_STATE, SKELETON_MODULE, SKELETON_TRAINER = "paramet
 class TakenBack:
     """What the controller's objects take of rank 0's at the end of a stage, as a ``ddp`` script's
     rank 0 holds its own: the module's attributes, and each worker callback's, in the order the
-    stage's payload gave them; the datamodule's ``state_dict`` where it has one of its own; after an
-    unsharded ``fit``, its optimizers and schedulers (``worker.optimizers``)."""
+    stage's payload gave them; the datamodule's ``state_dict`` where it has one of its own, and the
+    attributes the stage set on it; after an unsharded ``fit``, its optimizers and schedulers
+    (``worker.optimizers``)."""
 
     module: Attributes
     callbacks: list[Attributes]
@@ -164,6 +165,10 @@ class TakenBack:
     optimizers: Optional[bytes] = None
     #: Why that skeleton could not be pickled (its error), where it could not.
     optimizers_refused: Optional[str] = None
+    #: The datamodule's public attributes that the stage set (``setup``'s), each pickled, by name.
+    datamodule_set: dict[str, bytes] = field(default_factory=dict)
+    #: The others the stage set, which stay on the workers, each with why (too large, not picklable).
+    datamodule_left: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,7 @@ def _build(
     def mark(gate: str, number: int, views: bool) -> None:
         loop.publish(recorder.entry(gate, recorder.arrival(), number, [], views=views))
 
-    state = RankState(trainer, rank, worker_callbacks, module)
+    state = RankState(trainer, rank, worker_callbacks, module, datamodule)
     validation = _async_validation(spec, trainer, state, mark)
     install_hook_gates(module, "module", MODULE_HOOKS, around)
     for callback in worker_callbacks:

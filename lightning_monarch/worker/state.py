@@ -9,6 +9,7 @@ the recovery snapshots every rank writes and a replacement worker restores.
 from __future__ import annotations
 
 import io
+import pickle
 from typing import Any, Optional
 
 import cloudpickle
@@ -17,6 +18,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from torch.optim import Optimizer
 
 from lightning_monarch._compat import lightning as lightning_compat
+from lightning_monarch.wire.codec import reduce_without_new
 from lightning_monarch.wire.gates import GateCallback, datamodule_saves
 from lightning_monarch.wire.protocol import METRIC_VIEWS, MODULE_HOOKS
 from lightning_monarch.wire.reports import Attributes, CheckpointState, RankValue, TakenBack
@@ -30,15 +32,25 @@ class RankState:
     """Runs in each worker: this rank's Trainer state for the controller's out-of-band requests
     (R5), its checkpoint state, and its recovery snapshots, written and restored."""
 
-    def __init__(self, trainer: Trainer, rank: int, callbacks: list[Any], module: LightningModule) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        rank: int,
+        callbacks: list[Any],
+        module: LightningModule,
+        datamodule: Optional[LightningDataModule],
+    ) -> None:
         """``callbacks``: the stage's worker callbacks, in the order its payload gave them;
-        ``module``: the stage's module, as the controller sent it."""
+        ``module`` and ``datamodule``: the stage's, as the controller sent them."""
         self._trainer = trainer
         self._rank = rank
         self._callbacks = callbacks
         #: Rank 0's: the plain attributes of the module's submodules as the stage starts.
         self._submodules = PlainAttributes(module, submodules_only=True)
         self._submodules_start = self._submodules.read() if rank == 0 else {}
+        self._datamodule = datamodule
+        #: Rank 0's: the datamodule's public attributes as the stage starts, by identity.
+        self._datamodule_start = _identities(datamodule) if rank == 0 and datamodule is not None else {}
         #: A validation worker's: the training rank's checkpoint state of the step it validates,
         #: which stands for its own (``worker.async_validation``).
         self.validated: Optional[CheckpointState] = None
@@ -96,7 +108,29 @@ class RankState:
         saves = datamodule_saves(self._trainer.datamodule)  # type: ignore[attr-defined]
         datamodule_state = self.datamodule_state_dict() if saves else None
         submodules = self._submodules.changed_since(self._submodules_start)
-        return TakenBack(self.module_attributes(), callbacks, submodules, datamodule_state, skeleton, refused)
+        datamodule, left = self._datamodule_set() if self._datamodule is not None else ({}, {})
+        return TakenBack(
+            self.module_attributes(), callbacks, submodules, datamodule_state, skeleton, refused, datamodule, left
+        )
+
+    def _datamodule_set(self) -> tuple[dict[str, bytes], dict[str, str]]:
+        """The datamodule's public attributes that the stage set (new, or another object than at
+        its start: what ``setup`` made), each pickled where it takes at most
+        :data:`DATAMODULE_ATTRIBUTE_MIB`; and for each other one, why it stays here (its size, or
+        its pickling error)."""
+        values, left = {}, {}
+        for name, value in vars(self._datamodule).items():
+            if name.startswith("_") or self._datamodule_start.get(name) == id(value):
+                continue
+            try:
+                values[name] = _CappedPickler.pickled(to_cpu(value))
+            except _Live:
+                continue
+            except _TooLarge:
+                left[name] = f"a `{type(value).__name__}` of over {DATAMODULE_ATTRIBUTE_MIB} MiB pickled"
+            except Exception as error:
+                left[name] = f"a `{type(value).__name__}` that cannot be pickled ({type(error).__name__}: {error})"
+        return values, left
 
     def module_children(self) -> dict[str, Any]:
         """The module's direct submodules (on CPU after the stage's teardown): the controller takes
@@ -210,6 +244,53 @@ class _LiveRefusing(cloudpickle.Pickler):
         if isinstance(obj, _LIVE):
             raise _Live()
         return super().reducer_override(obj)
+
+
+#: The most a datamodule attribute that a stage set may weigh, pickled, to come back to the
+#: controller at the stage's end: metadata (class names, a vocabulary, a fitted scaler) does, a
+#: dataset's data stays on the workers (and a read of it on the controller says so).
+DATAMODULE_ATTRIBUTE_MIB = 16
+
+
+class _TooLarge(Exception):
+    """A value pickles to more than :data:`DATAMODULE_ATTRIBUTE_MIB` (:class:`_CappedPickler`)."""
+
+
+class _CappedFile(io.BytesIO):
+    """A file in memory that refuses to grow past a cap (:class:`_TooLarge`)."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__()
+        self._cap = cap
+
+    def write(self, data: Any) -> int:
+        if self.tell() + memoryview(data).nbytes > self._cap:
+            raise _TooLarge()
+        return super().write(data)
+
+
+class _CappedPickler(_LiveRefusing):
+    """Pickles a value for the controller as the stage's payload pickles for the workers (an
+    object whose class's ``__new__`` wants arguments is made blank there), stopping at the first
+    byte past :data:`DATAMODULE_ATTRIBUTE_MIB` (:class:`_TooLarge`): a large dataset is never copied
+    whole."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, _LIVE):
+            raise _Live()
+        without_new = reduce_without_new(obj, self.proto)
+        return without_new if without_new is not None else super().reducer_override(obj)
+
+    @classmethod
+    def pickled(cls, value: Any) -> bytes:
+        file = _CappedFile(DATAMODULE_ATTRIBUTE_MIB * 2**20)
+        cls(file, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+        return file.getvalue()
+
+
+def _identities(obj: Any) -> dict[str, int]:
+    """The identities of ``obj``'s public attributes, by name."""
+    return {name: id(value) for name, value in vars(obj).items() if not name.startswith("_")}
 
 
 def _bound_here(name: str, value: Any, module: Any) -> bool:

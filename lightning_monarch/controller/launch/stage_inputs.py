@@ -31,6 +31,7 @@ from lightning_monarch.controller.loop.callbacks import CallbackPlacement
 from lightning_monarch.controller.loop.mirrors import plan_loaders
 from lightning_monarch.controller.loop.plan import make_plan, states_can_travel
 from lightning_monarch.controller.loop.session import StageSession
+from lightning_monarch.controller.loop.taken_back import back_to_its_class
 from lightning_monarch.controller.mesh import debugger
 from lightning_monarch.controller.mesh.feed import FedLoaders
 from lightning_monarch.controller.mesh.payload import pack_for_workers, travelling_loggers
@@ -96,6 +97,7 @@ class StageInputs:
         self.module, self.arguments, self._placement = module, arguments, placement
         self.worker_callbacks: list[Callback] = placement.workers
         self.datamodule: Optional[LightningDataModule] = arguments.get("datamodule")
+        back_to_its_class(self.datamodule)  # the workers get its class, not the one reading what they kept
         self._fed = FedLoaders(
             {name: arguments[name] for name in LOADER_STAGES[stage] if arguments.get(name) is not None},
             len(settings.devices) * settings.num_nodes,

@@ -5,7 +5,8 @@ after a stage its module, datamodule and callbacks hold what rank 0's hold. The 
 carries rank 0's public attributes of the module (with its ``hparams``) and the attributes of each
 worker callback (``worker.state``): the controller's objects take them, and keep their own of those
 that could not travel, with a warning that names them. A datamodule with a ``state_dict`` of its own
-loads rank 0's. After an unsharded ``fit``, the controller's Trainer also takes rank 0's optimizers
+loads rank 0's, and the controller's datamodule takes the attributes the stage set on rank 0's
+(:func:`left_on_workers` for those too large to). After an unsharded ``fit``, the controller's Trainer also takes rank 0's optimizers
 and LR schedulers in place of its stand-ins (:func:`take_optimizers`), and its precision plugin rank
 0's state (a gradient scaler's).
 """
@@ -13,6 +14,7 @@ and LR schedulers in place of its stand-ins (:func:`take_optimizers`), and its p
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import pickle
 from collections.abc import Callable
@@ -43,10 +45,72 @@ def take_attributes(
     for (path, name), data in taken.submodules.items():
         if path in submodules:  # not where ``configure_model`` made it on the workers only
             setattr(submodules[path], name, pickle.loads(data))
+    if datamodule is not None:
+        left = dict(taken.datamodule_left)
+        for name, data in taken.datamodule_set.items():
+            try:
+                vars(datamodule)[name] = pickle.loads(data)
+            except Exception as error:  # anything reading it back raises: it stays on the workers
+                left[name] = f"it cannot be read back in this process ({type(error).__name__}: {error})"
+        left_on_workers(datamodule, left)
     if datamodule is not None and taken.datamodule_state is not None:
         datamodule.load_state_dict(taken.datamodule_state)
     for callback, attributes in zip(worker_callbacks, taken.callbacks, strict=True):
         _take(callback, attributes, "callback")
+
+
+#: Where a datamodule keeps, between stages, why each attribute the last stage set stayed on the
+#: workers; on the class, what marks the subclass that reads it (:func:`left_on_workers`).
+_LEFT = "_lightning_monarch_left_on_workers"
+
+
+def left_on_workers(datamodule: LightningDataModule, left: dict[str, str]) -> None:
+    """Make reading each of ``left`` (the datamodule attributes the stage set on the workers that
+    stay there, each with why) on ``datamodule`` raise an ``AttributeError`` that says so, until the
+    next stage (:func:`back_to_its_class`): it becomes an instance of a subclass of its class, with
+    the same name, that has a ``__getattr__`` for them and pickles as its class."""
+    back_to_its_class(datamodule)
+    if left:
+        vars(datamodule)[_LEFT] = dict(left)
+        cls: Any = type(datamodule)
+        datamodule.__class__ = _reading_left(cls)
+
+
+def back_to_its_class(datamodule: Optional[LightningDataModule]) -> None:
+    """Undo :func:`left_on_workers`: before a stage packs ``datamodule`` for the workers."""
+    if datamodule is not None and vars(type(datamodule)).get(_LEFT, False):
+        vars(datamodule).pop(_LEFT, None)
+        datamodule.__class__ = type(datamodule).__mro__[1]
+
+
+@functools.cache
+def _reading_left(cls: Any) -> Any:
+    def __getattr__(self: Any, name: str) -> Any:
+        why = vars(self).get(_LEFT, {}).get(name)
+        if why is None:
+            raise AttributeError(f"'{cls.__name__}' object has no attribute '{name}'")
+        raise AttributeError(
+            f"`{cls.__name__}.{name}` was set by the last stage on the workers (in `setup` or a hook), where"
+            f" it stays under strategy='monarch': {why}. Under ddp the script's datamodule is rank 0's and"
+            f" holds it. Call `datamodule.setup(stage)` in your script to build it in this process, or read"
+            " it in a hook, which runs on the workers."
+        )
+
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        # pickled as an instance of its class: a copy of it, without what this subclass adds
+        copy = cls.__new__(cls)
+        vars(copy).update({name: value for name, value in vars(self).items() if name != _LEFT})
+        return copy.__reduce_ex__(protocol)
+
+    namespace = {
+        "__getattr__": __getattr__,
+        "__reduce_ex__": __reduce_ex__,
+        "__slots__": (),
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        _LEFT: True,
+    }
+    return type(cls)(cls.__name__, (cls,), namespace)
 
 
 def _take(obj: Any, attributes: Attributes, kind: str) -> None:
