@@ -474,9 +474,8 @@ class MonarchStrategy(_OneProcess):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Rank 0's weights."""
-        if self._stage.session is not None:
-            return self._stage.session.checkpoint_state().model
-        return super().lightning_module_state_dict()
+        state = self._stage.weights()
+        return state.model if state is not None else super().lightning_module_state_dict()
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -498,14 +498,14 @@ class StopAtStep(L.Callback):
 
 
 class FailsAtStep(Classifier):
-    """Rank 0 raises in ``training_step`` once ``global_step`` reaches ``step``."""
+    """Rank 0 (or ``every_rank``) raises in ``training_step`` once ``global_step`` reaches ``step``."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, every_rank: bool = False) -> None:
         super().__init__()
-        self.fail_step = step
+        self.fail_step, self.every_rank = step, every_rank
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if self.global_step == self.fail_step and self.global_rank == 0:
+        if self.global_step == self.fail_step and (self.every_rank or self.global_rank == 0):
             raise ValueError(f"failing on purpose at step {self.fail_step}")
         return super().training_step(batch, batch_idx)
 

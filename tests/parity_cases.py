@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
     ModelPruning,
+    OnExceptionCheckpoint,
     SpikeDetection,
     StochasticWeightAveraging,
 )
@@ -262,6 +263,13 @@ CASES: dict[str, Callable[[Path], Case]] = {
 #: the other ranks' processes on the way out, which a following case would need).
 FAILING_CASES: dict[str, Callable[[Path], Case]] = {
     "worker_fails": lambda out: Case(compat.FailsAtStep(6), {"max_epochs": 3}, fails=ValueError),
+    # every rank raises, so every ddp rank reaches `OnExceptionCheckpoint` and its barrier: rank 0 writes
+    "on_exception_checkpoint": lambda out: Case(
+        compat.FailsAtStep(6, every_rank=True),
+        {"max_epochs": 3},
+        callbacks=[OnExceptionCheckpoint(dirpath=str(out / "checkpoints"))],
+        fails=ValueError,
+    ),
 }
 
 

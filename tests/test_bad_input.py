@@ -236,15 +236,16 @@ def test_callbacks_that_cannot_run_where_they_were_put(
     _assert_raised_before_spawning(error)
 
 
-def test_a_refused_on_exception_checkpoint_writes_nothing(tmp_path: Path) -> None:
-    """Lightning runs every callback's ``on_exception`` for the refusal; the refused callback's is
-    not among them, so no checkpoint of the controller's mirror is written."""
-    saver = OnExceptionCheckpoint(dirpath=str(tmp_path))
-    trainer = _trainer(callbacks=[saver], enable_checkpointing=True)
-    with pytest.raises(MisconfigurationException, match=r"`OnExceptionCheckpoint` saves the workers' state"):
+def test_a_refusal_before_any_worker_starts_writes_no_checkpoint(tmp_path: Path) -> None:
+    """Lightning runs every callback's ``on_exception`` for a refusal, but the refused callback's and
+    ``OnExceptionCheckpoint``'s (no rank ran): nothing is written, and both are back in the
+    Trainer's callbacks after it."""
+    saver, refused = OnExceptionCheckpoint(dirpath=str(tmp_path)), BatchSizeFinder()
+    trainer = _trainer(callbacks=[saver, refused], enable_checkpointing=True)
+    with pytest.raises(MisconfigurationException, match=r"`BatchSizeFinder` runs trial fits"):
         trainer.fit(Classifier())
     assert list(tmp_path.iterdir()) == []
-    assert saver in trainer.callbacks
+    assert saver in trainer.callbacks and refused in trainer.callbacks
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric.utilities.spike import TrainingSpikeException
-from lightning.pytorch.callbacks import SpikeDetection
+from lightning.pytorch.callbacks import OnExceptionCheckpoint, SpikeDetection
 
 from lightning_monarch import MeshFailureError, WorkerError
 from lightning_monarch.wire.reports import WorkerFailure
@@ -57,8 +57,7 @@ class RecordExceptions(L.Callback):
 
 
 def _trainer(strategy: Any = "monarch", **kwargs: Any) -> L.Trainer:
-    return L.Trainer(
-        strategy=strategy,
+    options = dict(
         accelerator="cpu",
         devices=2,
         max_epochs=1,
@@ -69,8 +68,8 @@ def _trainer(strategy: Any = "monarch", **kwargs: Any) -> L.Trainer:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        **kwargs,
     )
+    return L.Trainer(strategy=strategy, **{**options, **kwargs})
 
 
 @pytest.mark.parametrize(("hook", "rank"), [("training_step", 1), ("validation_step", 1), ("training_step", 0)])
@@ -240,3 +239,14 @@ def test_ddps_own_fix_is_given_in_monarch_terms() -> None:
     fixed = trainer("monarch_find_unused_parameters_true")
     fixed.fit(UnusedHeadClassifier())
     assert fixed.global_step == 3
+
+
+def test_on_exception_checkpoint_writes_nothing_where_rank_0_did_not_raise(tmp_path: Path) -> None:
+    """Rank 1's exception: under ddp rank 0 never reaches ``on_exception`` (it waits in a
+    collective), so ``OnExceptionCheckpoint`` writes nothing; here neither, and it says why. The
+    parity case ``on_exception_checkpoint`` shows rank 0's exception writing ddp's file."""
+    saver = OnExceptionCheckpoint(dirpath=str(tmp_path))
+    with pytest.warns(UserWarning, match=r"`OnExceptionCheckpoint` writes nothing.*no exception of rank 0's code"):
+        with pytest.raises(WorkerError, match="rank 1"):
+            _trainer(callbacks=[saver], enable_checkpointing=True).fit(FailingClassifier(1, "training_step"))
+    assert list(tmp_path.iterdir()) == []

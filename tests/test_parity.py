@@ -84,12 +84,15 @@ def test_same_results_with_other_leads(case: str, max_ahead: Optional[int], ddp_
     assert_same_as_ddp(case, ddp_results, tmp_path, max_ahead)
 
 
-@pytest.mark.parametrize("max_ahead", [4, 0])
-@pytest.mark.parametrize("case", list(FAILING_CASES))
+@pytest.mark.parametrize(
+    ("case", "max_ahead"), [("worker_fails", 4), ("worker_fails", 0), ("on_exception_checkpoint", 4)]
+)
 def test_a_worker_failure_leaves_what_ddp_leaves(case: str, max_ahead: int, ddp_failures: Path, tmp_path: Path) -> None:
     """Rank 0 raises at step 6 while it runs ahead: the controller replays every entry before the
-    failure, then raises it, so the logged rows and checkpoints are those of ``ddp`` failing there."""
+    failure, then raises it, so the logged rows and checkpoints are those of ``ddp`` failing there;
+    with ``OnExceptionCheckpoint``, its file holds rank 0's state as it failed, as ddp's rank 0 writes it."""
     assert_same_as_ddp(case, ddp_failures, tmp_path, max_ahead)
+    assert (tmp_path / "checkpoints" / "on_exception.ckpt").exists() == (case == "on_exception_checkpoint")
 
 
 def assert_same_as_ddp(case: str, reference_dir: Path, tmp_path: Path, max_ahead: Any = DEFAULT_MAX_AHEAD) -> None:

@@ -374,6 +374,9 @@ class RunAhead:
     #: Whether the workers ask, after each optimizer step, whether a host got a preemption notice,
     #: and park there if one did (:data:`NOTICE_GATE`): elastic training on hosts that serve them.
     notices: bool = False
+    #: Whether rank 0's failure carries its checkpoint state as it failed: a controller callback
+    #: saves a checkpoint on an exception (``OnExceptionCheckpoint``).
+    saves_on_exception: bool = False
 
     def syncs_at(self, gate: str, trainer: Any) -> bool:
         """Whether ``gate`` is a sync gate now, on ``trainer``'s state."""

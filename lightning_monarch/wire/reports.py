@@ -61,6 +61,9 @@ class WorkerFailure:
     exception_class: Optional[str] = None
     #: The exception pickled (its class by reference, its arguments and attributes), where it pickles.
     pickled: Optional[bytes] = None
+    #: Rank 0's checkpoint state as it failed, where a controller callback saves on an exception
+    #: (``RunAhead.saves_on_exception``): what ``OnExceptionCheckpoint`` writes, as under ``ddp``.
+    checkpoint: Optional[CheckpointState] = None
 
     @property
     def where(self) -> str:

@@ -467,6 +467,8 @@ class StageLoop:
             self._free_running = True
             self._examine(error)
             failure = WorkerFailure.capture(error, self._rank, self._failed_gate, memory_in_use_mib(), self._gate)
+            if self._rank == 0 and self._plan.saves_on_exception:  # what ``OnExceptionCheckpoint`` writes
+                failure = dataclasses.replace(failure, checkpoint=self._state.failure_state())
             end = Entry(None, failure=failure)
         else:
             if any(isinstance(item, Release) for item in self._inbox):

@@ -132,6 +132,14 @@ class RankState:
                 left[name] = f"a `{type(value).__name__}` that cannot be pickled ({type(error).__name__}: {error})"
         return values, left
 
+    def failure_state(self) -> Optional[CheckpointState]:
+        """The checkpoint state as this rank failed (``OnExceptionCheckpoint`` on the controller
+        writes it), or ``None`` where the failure left it unreadable."""
+        try:
+            return self.checkpoint_state()
+        except Exception:  # anything reading it raises: the controller then writes nothing
+            return None
+
     def module_children(self) -> dict[str, Any]:
         """The module's direct submodules (on CPU after the stage's teardown): the controller takes
         them when ``configure_model`` changed the module's structure on the workers."""

@@ -10,12 +10,14 @@ its session stays reachable for a gather or a checkpoint while the warm mesh kee
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_monarch.controller.loop.session import StageSession
+from lightning_monarch.errors import WorkerError
 from lightning_monarch.wire.reports import CheckpointState, RankStats
 
 
@@ -28,23 +30,37 @@ class AttachedStage:
         #: The session of the last sharded stage that ran, whose workers may still keep its shards.
         self.last_sharded: Optional[StageSession] = None
         self._last_state: Optional[CheckpointState] = None
+        #: Rank 0's state as it failed, where the last stage ended with rank 0's exception and its
+        #: plan asked for it (``RunAhead.saves_on_exception``).
+        self._failed: Optional[CheckpointState] = None
         #: The callbacks the last stage's workers ran.
         self._last_worker_callbacks: list[Callback] = []
 
     def attach(self, session: Optional[StageSession]) -> None:
-        """The session of the stage in progress, or ``None`` after it."""
+        """The session of the stage in progress, or ``None`` after it. The launcher detaches in a
+        ``finally``: an exception on its way out then is the one the stage ends with."""
+        self._failed = None
         if session is None and self.session is not None:
             self._last_state = self.session.final_state or self._last_state
             self._last_worker_callbacks = self.session.worker_callbacks
             if self.session.sharded:
                 self.last_sharded = self.session
+            error = sys.exc_info()[1]
+            if isinstance(error, WorkerError) and error.rank == 0:
+                self._failed = error.failure.checkpoint
         self.session = session
 
     def checkpoint_state(self) -> Optional[CheckpointState]:
-        """Rank 0's checkpoint state: the running stage's, else the one the last ``fit`` ended with."""
+        """Rank 0's checkpoint state: the running stage's, else the one the last stage failed with
+        (:attr:`_failed`), else the one the last ``fit`` ended with."""
         if self.session is not None:
             return self.session.checkpoint_state()
-        return self._last_state
+        return self._failed or self._last_state
+
+    def weights(self) -> Optional[CheckpointState]:
+        """Rank 0's state where the controller's module does not hold its weights: during a stage,
+        and after one that failed with rank 0's state; ``None`` where the module holds them."""
+        return self.session.checkpoint_state() if self.session is not None else self._failed
 
     def require_checkpoint_state(self) -> CheckpointState:
         """:meth:`checkpoint_state`, which must be known."""

@@ -48,6 +48,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_monarch import namespaces
 from lightning_monarch.controller.features.stats import MeshStatsMonitor
+from lightning_monarch.errors import WorkerError
 from lightning_monarch.wire.protocol import CALLBACK_HOOKS
 
 C = TypeVar("C")
@@ -75,10 +76,6 @@ _UNSUPPORTED = {
     BatchSizeFinder: (
         "runs trial fits inside `trainer.fit`",
         "Find the batch size with `BatchSizeFinder` under `Trainer(devices=1)` first, then set it on your datamodule",
-    ),
-    OnExceptionCheckpoint: (
-        "saves the workers' state after a failure, when a failed worker can no longer give it",
-        "Keep `ModelCheckpoint(save_last=True)` to resume from the last good checkpoint",
     ),
 }
 
@@ -259,6 +256,9 @@ class CallbackPlacement:
             if callback not in self.workers and (hook := batch_reader(callback)) is not None:
                 _reject_batch_reader(callback, hook)
         check_worker_callbacks([callback for callback in self.workers if callback not in companions])
+        for callback in self._here:
+            if isinstance(callback, OnExceptionCheckpoint):
+                _writes_where_rank_0_raised(callback)
 
     def gate_first(self, why: str) -> int:
         """The gate's place on the workers where it must come first (``why``: recovery snapshots,
@@ -317,12 +317,41 @@ class CallbackPlacement:
             trainer.callbacks = kept + [callback for callback in now if callback not in given]  # type: ignore[attr-defined]
 
 
+#: Marks an ``OnExceptionCheckpoint`` that :func:`_writes_where_rank_0_raised` made so.
+_RANK_0_ONLY = "_lightning_monarch_rank_0_only"
+
+
+def _writes_where_rank_0_raised(callback: OnExceptionCheckpoint) -> None:
+    """Make ``callback`` (on the controller) write only where rank 0's own code raised, as a ddp
+    rank 0 does: its file then holds rank 0's state as it failed (the failure carries it, the
+    plan's ``saves_on_exception``). For another rank's exception (rank 0 waits in a collective
+    under ddp), a worker's death or an interrupt of this process it writes nothing, and says so."""
+    if vars(callback).get(_RANK_0_ONLY):
+        return
+    own = callback.on_exception
+
+    def on_exception(trainer: Trainer, module: Any, exception: BaseException) -> None:
+        if isinstance(exception, WorkerError) and exception.rank == 0 and exception.failure.checkpoint is not None:
+            own(trainer, module, exception)
+            return
+        rank_zero_warn(
+            f"`OnExceptionCheckpoint` writes nothing for this `{type(exception).__name__}` under strategy='monarch':"
+            " it is no exception of rank 0's code (another rank's, a worker's death, or an interrupt of this"
+            " process), and under ddp only a rank 0 whose code raised writes the file. Resume from the last"
+            " checkpoint `ModelCheckpoint(save_last=True)` wrote."
+        )
+
+    vars(callback).update({"on_exception": on_exception, _RANK_0_ONLY: True})
+
+
 def set_aside_refused(trainer: Trainer) -> Callable[[], None]:
     """Take the callbacks :class:`CallbackPlacement` refuses out of ``trainer`` until Lightning has
-    run its exception hooks for the refusal, and return what puts them back: a refused callback
-    acts on nothing, so ``OnExceptionCheckpoint`` does not save the controller's mirror."""
+    run its exception hooks for the refusal, with ``OnExceptionCheckpoint`` (no rank ran, and the
+    module is not yet attached), and return what puts them back: a refused callback acts on nothing."""
     given = list(trainer.callbacks)  # type: ignore[attr-defined]
-    trainer.callbacks = [callback for callback in given if _refusal(callback) is None]  # type: ignore[attr-defined]
+    trainer.callbacks = [  # type: ignore[attr-defined]
+        callback for callback in given if _refusal(callback) is None and not isinstance(callback, OnExceptionCheckpoint)
+    ]
 
     def put_back() -> None:
         trainer.callbacks = given  # type: ignore[attr-defined]

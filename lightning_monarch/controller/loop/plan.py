@@ -36,6 +36,7 @@ from lightning.pytorch.callbacks import (
     LearningRateMonitor,
     ModelCheckpoint,
     ModelSummary,
+    OnExceptionCheckpoint,
     ProgressBar,
     Timer,
 )
@@ -209,6 +210,7 @@ def make_plan(
     ``ReduceLROnPlateau`` schedulers stepped every ``"epoch"`` or ``"step"`` (``plateau_intervals``),
     and, where ``states_travel`` (:func:`states_can_travel`), rank 0's checkpoint state in the
     entries where a ``ModelCheckpoint`` saves from them (:func:`saves_from_entries`)."""
+    callbacks = list(callbacks)
     rules: dict[str, list[SyncRule]] = {gate: [Always()] for gate in PLAN_GATES}
     states: dict[str, list[SyncRule]] = {}
     views: set[str] = set()
@@ -233,6 +235,7 @@ def make_plan(
         views=frozenset(views),
         outputs=frozenset(outputs),
         states={gate: _any_of(found) for gate, found in states.items()},
+        saves_on_exception=any(isinstance(callback, OnExceptionCheckpoint) for callback in callbacks),
     )
 
 
