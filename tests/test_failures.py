@@ -135,11 +135,26 @@ def test_a_workers_exception_that_cannot_be_remade_is_a_worker_error(error: Base
     assert type(pickle.loads(pickle.dumps(remade))) is WorkerError
 
 
-def test_an_exception_raised_between_hooks_names_the_hook_before_it() -> None:
+def test_an_exception_raised_between_hooks_names_the_step_that_raised_it() -> None:
     """``sync_batchnorm=True`` on CPU workers: Lightning's DDP wrapping, after the setup hooks
-    returned, raises DDP's own error, as under ``ddp``; no hook raised it, and none is blamed."""
-    with pytest.raises(WorkerError, match=r"raised ValueError after `module.setup` returned: SyncBatchNorm layers"):
+    returned, raises DDP's own error, as under ``ddp``; no hook raised it, and the message names
+    the step that did."""
+    with pytest.raises(
+        WorkerError,
+        match=r"raised ValueError in the wrapping of the module in `DistributedDataParallel` \(Lightning's DDP setup\)"
+        r" \(after `module.setup` returned\): SyncBatchNorm layers",
+    ):
         _trainer(sync_batchnorm=True).fit(NormClassifier())
+
+
+def test_an_exception_raised_in_a_collective_outside_hooks_names_it() -> None:
+    """Raised in ``torch.distributed`` outside any hook: the collective is named, with the hook
+    that returned before it."""
+    try:
+        torch.distributed.all_reduce(torch.ones(1))
+    except ValueError as error:
+        failure = WorkerFailure.capture(error, rank=0, hook=None, memory_mib=0.0, last="module.on_train_start")
+    assert failure.where == " in the collective `torch.distributed.all_reduce` (after `module.on_train_start` returned)"
 
 
 def test_fit_works_again_after_a_worker_failure() -> None:

@@ -7,6 +7,7 @@ Both sides import this module; the entries that carry most of these are in
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import traceback
@@ -64,14 +65,20 @@ class WorkerFailure:
     #: Rank 0's checkpoint state as it failed, where a controller callback saves on an exception
     #: (``RunAhead.saves_on_exception``): what ``OnExceptionCheckpoint`` writes, as under ``ddp``.
     checkpoint: Optional[CheckpointState] = None
+    #: Where no hook raised it, the step of Lightning's or torch's own code that did, where its
+    #: traceback tells (:func:`_step`): wrapping the module in DDP, a collective.
+    step: Optional[str] = None
 
     @property
     def where(self) -> str:
-        """Where it was raised, as a message says it: in the hook, after the hook that returned last,
-        or nothing where neither is known."""
+        """Where it was raised, as a message says it: in the hook, in the step of Lightning's or
+        torch's code, after the hook that returned last, or nothing where none is known."""
         if self.hook is not None:
             return f" in `{self.hook}`"
-        return f" after `{self.after}` returned" if self.after is not None else ""
+        after = f"after `{self.after}` returned" if self.after is not None else ""
+        if self.step is not None:
+            return f" in {self.step}" + (f" ({after})" if after else "")
+        return f" {after}" if after else ""
 
     @classmethod
     def capture(
@@ -91,7 +98,23 @@ class WorkerFailure:
             after=last if hook is None else None,
             exception_class=f"{type(error).__module__}:{type(error).__qualname__}",
             pickled=_pickled(error),
+            step=_step(error) if hook is None else None,
         )
+
+
+def _step(error: BaseException) -> Optional[str]:
+    """The step of torch's own code that ``error``'s traceback passes through, outermost first:
+    wrapping a module in ``DistributedDataParallel``, or a collective of ``torch.distributed``;
+    ``None`` where it passes through neither."""
+    frame = error.__traceback__
+    while frame is not None:
+        code, frame = frame.tb_frame.f_code, frame.tb_next
+        path = code.co_filename.replace(os.sep, "/")
+        if path.endswith("torch/nn/parallel/distributed.py") and code.co_name == "__init__":
+            return "the wrapping of the module in `DistributedDataParallel` (Lightning's DDP setup)"
+        if path.endswith("torch/distributed/distributed_c10d.py") and not code.co_name.startswith("_"):
+            return f"the collective `torch.distributed.{code.co_name}`"
+    return None
 
 
 def _pickled(error: BaseException) -> Optional[bytes]:
