@@ -189,3 +189,29 @@ def test_the_datamodule_takes_what_setup_set_on_rank_0() -> None:
     assert isinstance(datamodule, MetadataDataModule) and type(datamodule).__name__ == "MetadataDataModule"
     trainer.validate(DataModuleClassifier(), datamodule=datamodule, verbose=False)
     assert datamodule.num_classes == 4
+
+
+class TornDownDataModule(ClassificationDataModule):
+    """Its ``state_dict`` reads what ``setup`` made and ``teardown`` drops, as nequip's does."""
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.served = 0
+
+    def teardown(self, stage: str) -> None:
+        del self.served
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"served": self.served}
+
+
+def test_a_datamodule_whose_state_is_gone_after_teardown_ends_the_stage() -> None:
+    """After the stage the controller's datamodule takes rank 0's ``state_dict`` where it can be
+    read; after ``teardown`` this one cannot (nor could a ddp script read it there), and the fit
+    ends as under ddp."""
+    datamodule = TornDownDataModule()
+    trainer = _trainer(limit_train_batches=2, limit_val_batches=1)
+    trainer.fit(DataModuleClassifier(), datamodule=datamodule)
+    assert trainer.state.finished
+    with pytest.raises(AttributeError, match="served"):
+        datamodule.state_dict()

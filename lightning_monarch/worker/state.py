@@ -106,7 +106,7 @@ class RankState:
             _attributes(callback, _LiveRefusing.check, private=True, nested=_NESTED) for callback in self._callbacks
         ]
         saves = datamodule_saves(self._trainer.datamodule)  # type: ignore[attr-defined]
-        datamodule_state = self.datamodule_state_dict() if saves else None
+        datamodule_state = self._datamodule_state_after_teardown() if saves else None
         submodules = self._submodules.changed_since(self._submodules_start)
         datamodule, left = self._datamodule_set() if self._datamodule is not None else ({}, {})
         return TakenBack(
@@ -157,6 +157,15 @@ class RankState:
         """The datamodule's ``state_dict``, as Lightning's ``dump_checkpoint`` reads it on a ``ddp``
         rank 0: from the datamodule that set up and served this rank's data."""
         return to_cpu(self._trainer.datamodule.state_dict())  # type: ignore[attr-defined]
+
+    def _datamodule_state_after_teardown(self) -> Optional[dict[str, Any]]:
+        """The datamodule's ``state_dict`` as the stage ends, after its ``teardown``; ``None`` where it
+        cannot be read then (nequip's drops what it reads in ``teardown``): the controller's datamodule
+        keeps its own state, and its ``state_dict`` fails as rank 0's would there under ``ddp``."""
+        try:
+            return self.datamodule_state_dict()
+        except Exception:  # the datamodule's own error, which a ddp script would meet reading it here
+            return None
 
     def snapshot(self, directory: Optional[str]) -> RankSnapshot:
         """This rank's part of a recovery snapshot (see ``specs.ResumePoint``). For a sharded
