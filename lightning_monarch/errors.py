@@ -8,11 +8,10 @@ lightning_monarch.WorkerError`` catches a ``pytorch_lightning`` run's failure to
 from __future__ import annotations
 
 import pickle
-import sys
 import time
 from typing import Any, Optional
 
-from lightning_monarch.wire.reports import WorkerFailure
+from lightning_monarch.wire.reports import WorkerFailure, class_named
 
 
 class WorkerError(RuntimeError):
@@ -39,7 +38,8 @@ class WorkerError(RuntimeError):
         pickled; a plain ``WorkerError`` where that class is not one this process can have (not an
         ``Exception``, not importable here) or cannot be a base beside this one."""
         original = _original(failure)
-        base = type(original) if isinstance(original, Exception) else _class_named(failure.exception_class)
+        named = class_named(failure.exception_class) if failure.exception_class is not None else None
+        base = type(original) if isinstance(original, Exception) else named
         made: Any = _made(base)
         if made is None:
             return cls(failure)
@@ -95,17 +95,6 @@ def _original(failure: WorkerFailure) -> Optional[BaseException]:
     except Exception:  # anything reading it back raises: its class is then found by name only
         return None
     return original if isinstance(original, BaseException) else None
-
-
-def _class_named(name: Optional[str]) -> Optional[type]:
-    """The class ``module:qualname`` names, where its module is imported in this process."""
-    if name is None:
-        return None
-    module, _, qualname = name.partition(":")
-    found: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        found = getattr(found, part, None)
-    return found if isinstance(found, type) else None
 
 
 def _under_monarch(message: str) -> str:

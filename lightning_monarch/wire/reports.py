@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -96,10 +97,27 @@ class WorkerFailure:
             traceback="".join(traceback.format_exception(error)),
             memory_mib=memory_mib,
             after=last if hook is None else None,
-            exception_class=f"{type(error).__module__}:{type(error).__qualname__}",
+            exception_class=class_name(type(error)),
             pickled=_pickled(error),
             step=_step(error) if hook is None else None,
         )
+
+
+def class_name(cls: type) -> str:
+    """``module:qualname`` of ``cls``: how a class travels by name between the workers and the
+    controller, where the class itself may not unpickle (one defined in the user's script lives in
+    the worker under another ``__main__``). Read back with :func:`class_named`."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def class_named(name: str) -> Optional[type]:
+    """The class :func:`class_name` gave ``name``, where this process has imported its module
+    (nothing is imported here); ``None`` elsewhere."""
+    module, _, qualname = name.partition(":")
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found if isinstance(found, type) else None
 
 
 def _step(error: BaseException) -> Optional[str]:
@@ -129,7 +147,7 @@ def _pickled(error: BaseException) -> Optional[bytes]:
 class WorkerWarning:
     """A Python warning a worker process showed, held for the controller to show once
     (``worker.held_warnings``, ``controller.mesh.worker_warnings``): what ``warnings.showwarning`` got,
-    the class named ``module:qualname``."""
+    the class named ``module:qualname`` (:func:`class_name`)."""
 
     category: str
     message: str

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Optional, TextIO
+from typing import Optional, TextIO
 
-from lightning_monarch.wire.reports import WorkerWarning
+from lightning_monarch.wire.reports import WorkerWarning, class_name
 
 
 class HeldWarnings:
@@ -50,7 +50,7 @@ class HeldWarnings:
                 printer(message, category, filename, lineno, file, line)
                 return
             with self._lock:
-                self._held.append(WorkerWarning(_category_name(category), str(message), filename, lineno))
+                self._held.append(WorkerWarning(class_name(category), str(message), filename, lineno))
 
         warnings.showwarning = hold
 
@@ -59,12 +59,6 @@ class HeldWarnings:
         with self._lock:
             taken, self._held = self._held, []
         return taken
-
-
-def _category_name(category: Any) -> str:
-    """``module:qualname`` of a warning class: the class itself may not unpickle on the controller
-    (one defined in the user's script lives in the worker under another ``__main__``)."""
-    return f"{category.__module__}:{category.__qualname__}"
 
 
 #: This process's held warnings; ``worker.process`` installs it when the process starts.

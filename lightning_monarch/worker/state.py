@@ -293,10 +293,9 @@ class _CappedPickler(_LiveRefusing):
     whole."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, _LIVE):
-            raise _Live()
-        without_new = reduce_without_new(obj, self.proto)
-        return without_new if without_new is not None else super().reducer_override(obj)
+        reduced = super().reducer_override(obj)  # raises :class:`_Live` for a live object
+        without_new = reduce_without_new(obj, self.proto) if reduced is NotImplemented else None
+        return without_new if without_new is not None else reduced
 
     @classmethod
     def pickled(cls, value: Any) -> bytes:

@@ -34,7 +34,7 @@ class StageThreadWork:
     """The work handed to the stage's thread, for as long as a stage may hand it some."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._queue: deque[_Work] = deque()
         #: How many stages may hand work now (``open`` to ``close``).
         self._open = 0
@@ -43,14 +43,14 @@ class StageThreadWork:
 
     def open(self) -> None:
         """A stage run by this thread may hand work from now on (its fed iterables are served)."""
-        with self._cond:
+        with self._lock:
             if not self._open:
                 self._thread = threading.current_thread()
             self._open += 1
 
     def close(self) -> None:
         """That stage hands no more: work still waiting gets its ``refused`` value once none may."""
-        with self._cond:
+        with self._lock:
             self._open -= 1
             left = list(self._queue) if not self._open else []
             if left:
@@ -63,7 +63,7 @@ class StageThreadWork:
         """From another thread: ``do()``'s value, done on the stage's thread at its next wait; or
         ``refused()``'s where no stage may hand work, or the stage ends before it is done."""
         work = _Work(do, refused)
-        with self._cond:
+        with self._lock:
             if not self._open:
                 return refused()
             self._queue.append(work)
@@ -76,7 +76,7 @@ class StageThreadWork:
         if threading.current_thread() is not self._thread:
             return
         while True:
-            with self._cond:
+            with self._lock:
                 if not self._queue:
                     return
                 work = self._queue.popleft()

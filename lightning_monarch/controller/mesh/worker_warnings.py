@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from types import ModuleType
 from typing import Any, Optional
 
-from lightning_monarch.wire.reports import RankValue, WorkerWarning
+from lightning_monarch.wire.reports import RankValue, WorkerWarning, class_named
 
 #: This process's "once per location" registries for the files no module of it was loaded from
 #: (code the workers got by value says ``<dynamic-code>``), kept as Python keeps a module's.
@@ -114,8 +114,5 @@ _MODULES = _ModulesByFile()
 
 def _category(name: str) -> Optional[type[Warning]]:
     """The warning class named ``module:qualname``, if this process has imported its module."""
-    module_name, _, qualname = name.partition(":")
-    value: Any = sys.modules.get(module_name)
-    for part in qualname.split("."):
-        value = getattr(value, part, None)
-    return value if isinstance(value, type) and issubclass(value, Warning) else None
+    found = class_named(name)
+    return found if found is not None and issubclass(found, Warning) else None
